@@ -1,0 +1,1351 @@
+"""campaignapi: an email-campaign HTTP API that any Python web application can embed.
+
+Recipient lists (datasources), messages, segments and campaigns behind a small
+JSON API under ``/v1``, stored in one SQLite file, sent through an SMTP relay.
+The behaviour is the contract in ``API.md``; this module is the whole product.
+
+Embedded in another application::
+
+    import bottle, campaignapi
+
+    parent = bottle.Bottle()
+    parent.mount("/email/", campaignapi.create_app("campaigns.db"))
+    secret = campaignapi.create_key("campaigns.db", "owner@example.com")
+
+On its own, from the command line::
+
+    $ python campaignapi.py --port 8080                 # serve (creates a key on first run)
+    $ python campaignapi.py key create --email me@example.com --levels read
+    $ curl -H "Authorization: Bearer $SECRET" http://127.0.0.1:8080/v1/campaign/all
+"""
+
+__version__ = "0.1.0"
+
+import argparse
+import base64
+import contextlib
+import datetime
+import hashlib
+import html
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+
+import bottle
+
+log = logging.getLogger("campaignapi")
+
+#: Configuration accepted by create_app(db, **config), with its defaults.
+DEFAULT_CONFIG = {
+    # Largest request body accepted, in bytes; larger ones get 413 unread.
+    "max_body": 64 * 1024 * 1024,
+    # Base URL of the API as the outside world sees it, for links in emails
+    # (download, unsubscribe). Empty: taken from the request that causes them.
+    "public_url": "",
+    # Secret for signed tokens; empty: generated once and kept in the database.
+    "secret": "",
+}
+
+SCHEMA_VERSION = 1
+LEVELS = ("read", "write", "create", "delete")
+FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
+PAGE_DEFAULT, PAGE_MAX = 100, 1000
+MAX_ID = 2**63 - 1
+
+
+# ---------------------------------------------------------------------------
+# Errors: handlers raise these; _error_response() turns them into envelopes.
+# ---------------------------------------------------------------------------
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": code, "message": ...}``."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message, **extra):
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+        self.headers = {}
+
+    def data(self):
+        return {"error": self.code, "message": self.message, **self.extra}
+
+
+class InvalidJson(ApiError):
+    status, code = 400, "invalid_json"
+
+
+class MissingParameter(ApiError):
+    status, code = 400, "missing_parameter"
+
+
+class InvalidParameter(ApiError):
+    status, code = 400, "invalid_parameter"
+
+
+class UnknownParameter(ApiError):
+    status, code = 400, "unknown_parameter"
+
+
+class InvalidIdentifier(ApiError):
+    status, code = 400, "invalid_identifier"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+    def __init__(self, message, **extra):
+        super().__init__(message, **extra)
+        self.headers = {"WWW-Authenticate": 'Bearer realm="campaignapi"'}
+
+
+class InsufficientAccess(ApiError):
+    status, code = 403, "insufficient_access"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(ApiError):
+    status, code = 405, "method_not_allowed"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
+class VerificationFailed(ApiError):
+    status, code = 409, "verification_failed"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    status, code = 415, "unsupported_media_type"
+
+
+class InvalidData(ApiError):
+    status, code = 422, "invalid_data"
+
+
+# ---------------------------------------------------------------------------
+# Database: one connect(), one transaction() helper, the schema.
+# ---------------------------------------------------------------------------
+
+PRAGMAS = (
+    ("journal_mode", "WAL"),       # readers never wait for the writer
+    ("synchronous", "NORMAL"),     # durable at checkpoints; safe with WAL
+    ("foreign_keys", "ON"),
+    ("busy_timeout", "30000"),     # writers queue instead of failing 'locked'
+)
+
+
+def connect(path):
+    """Open a connection to the database at ``path`` with the project's pragmas.
+
+    :param path: the SQLite file.
+    """
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+    try:
+        conn.row_factory = sqlite3.Row
+        for name, value in PRAGMAS:
+            conn.execute(f"PRAGMA {name} = {value}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@contextlib.contextmanager
+def transaction(conn):
+    """Run the block as one transaction (a savepoint when already in one).
+
+    ``BEGIN IMMEDIATE`` takes the write lock up front, so two writers queue on
+    busy_timeout instead of failing halfway with 'database is locked'.
+    """
+    if conn.in_transaction:
+        name = "sp_" + secrets.token_hex(4)
+        conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute(f"ROLLBACK TO {name}")
+            conn.execute(f"RELEASE {name}")
+            raise
+        conn.execute(f"RELEASE {name}")
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _schema_path():
+    here = os.path.dirname(os.path.abspath(__file__))
+    # In a checkout (and an editable install) schema.sql sits beside the
+    # module; a wheel installs it as campaignapi.schema.sql beside the module.
+    for name in ("schema.sql", "campaignapi.schema.sql"):
+        if os.path.exists(os.path.join(here, name)):
+            return os.path.join(here, name)
+    for file in importlib.metadata.files("campaignapi") or ():
+        if file.name.endswith("schema.sql"):
+            return str(file.locate())
+    raise RuntimeError("campaignapi: schema.sql is not installed beside campaignapi.py")
+
+
+def init_db(path):
+    """Apply the schema to the database at ``path`` unless it is current.
+
+    An existing database keeps its data: every statement of schema.sql is
+    ``IF NOT EXISTS``.  A database made by a newer version is refused.
+    """
+    conn = connect(path)
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{path} has schema version {version}; this campaignapi knows {SCHEMA_VERSION}")
+        if version < SCHEMA_VERSION:
+            with open(_schema_path(), encoding="utf-8") as f:
+                script = f.read()
+            conn.executescript(f"BEGIN IMMEDIATE;\n{script}\n"
+                               f"PRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
+    finally:
+        conn.close()
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _str(value):
+    """A stored value as the contract answers it: a string, or null."""
+    return None if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------
+# Auth: accounts and API keys.  Plain functions; the pipeline calls them.
+# ---------------------------------------------------------------------------
+
+def _hash_secret(secret):
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def _parse_levels(levels):
+    if isinstance(levels, str):
+        levels = [part.strip() for part in levels.split(",") if part.strip()]
+    levels = list(dict.fromkeys(levels))
+    bad = [level for level in levels if level not in LEVELS]
+    if bad or not levels:
+        raise ValueError(f"levels must be a non-empty subset of {', '.join(LEVELS)}")
+    return levels
+
+
+def _parse_expiry(expires):
+    """A key's expiry as stored: the end of the given day, UTC."""
+    if expires is None or expires == "":
+        return None
+    if isinstance(expires, datetime.datetime):
+        return expires.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(expires, datetime.date):
+        return expires.strftime("%Y-%m-%d 23:59:59")
+    try:
+        day = datetime.date.fromisoformat(str(expires))
+    except ValueError:
+        raise ValueError("expires must be a date, YYYY-MM-DD") from None
+    return day.strftime("%Y-%m-%d 23:59:59")
+
+
+def _account_for(conn, email):
+    """The id of the account with this address, created if it is new."""
+    address = _normalize_email(email)
+    if address is None:
+        raise ValueError(f"not a valid email address: {email!r}")
+    row = conn.execute("SELECT id FROM account WHERE email = ?", (address,)).fetchone()
+    if row:
+        return row["id"]
+    return conn.execute("INSERT INTO account (email, created) VALUES (?, ?)",
+                        (address, _now())).lastrowid
+
+
+def issue_key(conn, account, levels=LEVELS, name="", expires=None):
+    """Store a new key for ``account`` and return ``(key id, secret)``."""
+    levels = _parse_levels(levels)
+    secret = "cak_" + secrets.token_urlsafe(32)
+    key_id = conn.execute(
+        "INSERT INTO apikey (account, name, levels, hash, created, expires) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (account, name, ",".join(levels), _hash_secret(secret), _now(),
+         _parse_expiry(expires))).lastrowid
+    return key_id, secret
+
+
+def create_key(db, email, levels=LEVELS, name="", expires=None):
+    """Issue an API key and return its secret (shown once; only a hash is kept).
+
+    :param db: the database path, as given to create_app().
+    :param email: the account holder's address; the account is created if new.
+    :param levels: any of ``read, write, create, delete`` (a list or "read,write").
+    :param name: a label for the key.
+    :param expires: a date (or "YYYY-MM-DD"); the key works through that day, UTC.
+    """
+    init_db(db)
+    conn = connect(db)
+    try:
+        with transaction(conn):
+            _, secret = issue_key(conn, _account_for(conn, email), levels, name, expires)
+    finally:
+        conn.close()
+    return secret
+
+
+def list_keys(db):
+    """Every key as a dict (never the secret, which is not stored)."""
+    init_db(db)
+    conn = connect(db)
+    try:
+        return [dict(row) for row in conn.execute(
+            "SELECT apikey.id, account.email, apikey.name, apikey.levels, apikey.created, "
+            "apikey.expires, apikey.revoked FROM apikey JOIN account ON account.id = apikey.account "
+            "ORDER BY apikey.id")]
+    finally:
+        conn.close()
+
+
+def revoke_key(db, key_id):
+    """Revoke key ``key_id``; returns False when there is no such key."""
+    init_db(db)
+    conn = connect(db)
+    try:
+        with transaction(conn):
+            return conn.execute("UPDATE apikey SET revoked = 1 WHERE id = ?",
+                                (key_id,)).rowcount == 1
+    finally:
+        conn.close()
+
+
+def authenticate(conn, header):
+    """The key row for an ``Authorization: Bearer`` header, or Unauthorized."""
+    scheme, _, secret = (header or "").partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        raise Unauthorized("Send your API key as 'Authorization: Bearer <secret>'.")
+    key = conn.execute("SELECT id, account, levels, expires, revoked FROM apikey WHERE hash = ?",
+                       (_hash_secret(secret),)).fetchone()
+    if key is None or key["revoked"] or (key["expires"] and key["expires"] < _now()):
+        # One answer for all three, so a stolen secret tells nothing about itself.
+        raise Unauthorized("This API key is unknown, revoked or expired.")
+    return key
+
+
+def require_level(key, level):
+    """Refuse with 403 unless ``key`` holds ``level``."""
+    if level not in key["levels"].split(","):
+        raise InsufficientAccess(f"This operation needs an API key with the '{level}' level.")
+
+
+# ---------------------------------------------------------------------------
+# Request plumbing: parameters, identifiers, the envelope.
+# ---------------------------------------------------------------------------
+
+_EMAIL_RE = re.compile(r"^[^@\s\x00-\x1f\x7f<>()\[\],;:\"\\]+@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+$")
+
+
+def _normalize_email(value):
+    """The address trimmed with its domain lower-cased, or None if invalid."""
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if len(value) > 254 or not _EMAIL_RE.match(value):
+        return None
+    local, _, domain = value.rpartition("@")
+    if len(local) > 64 or local.startswith(".") or local.endswith(".") or ".." in local:
+        return None
+    return f"{local}@{domain.lower()}"
+
+
+def _as_int(value):
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if 0 <= value <= MAX_ID else None
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
+        number = int(value)
+        return number if number <= MAX_ID else None
+    return None
+
+
+def _check_str(name, value, multiline):
+    if not isinstance(value, str):
+        raise InvalidParameter(f"'{name}' must be a string.", field=name)
+    if "\x00" in value:
+        raise InvalidParameter(f"'{name}' must not contain NUL characters.", field=name)
+    if not multiline and ("\r" in value or "\n" in value):
+        raise InvalidParameter(f"'{name}' must not contain line breaks.", field=name)
+    return value
+
+
+def _check_int(name, value):
+    number = _as_int(value)
+    if number is None:
+        raise InvalidParameter(f"'{name}' must be a whole number from 0 to {MAX_ID}.", field=name)
+    return number
+
+
+def _check_flag(name, value):
+    if value in ("1", 1, "true") or value is True:
+        return 1
+    if value in ("0", 0, "false") or value is False:
+        return 0
+    raise InvalidParameter(f"'{name}' must be '0' or '1'.", field=name, allowed=["0", "1"])
+
+
+def _check_email(name, value):
+    value = _check_str(name, value, False)
+    if value.strip() == "":
+        return ""
+    address = _normalize_email(value)
+    if address is None:
+        raise InvalidParameter(f"'{name}' is not a valid email address.", field=name)
+    return address
+
+
+def _check_list(name, value):
+    if not isinstance(value, list):
+        raise InvalidParameter(f"'{name}' must be a JSON array.", field=name)
+    return value
+
+
+def _check_scalar(name, value):
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise InvalidParameter(f"'{name}' must be a string or a number.", field=name)
+    if isinstance(value, str):
+        _check_str(name, value, False)
+    return value
+
+
+#: Parameter types of the route table: name -> checker(name, value) -> value.
+PARAM_TYPES = {
+    "str": lambda name, value: _check_str(name, value, False),
+    "text": lambda name, value: _check_str(name, value, True),
+    "int": _check_int,
+    "flag": _check_flag,
+    "email": _check_email,
+    "list": _check_list,
+    "scalar": _check_scalar,
+}
+
+
+class Param:
+    """One declared parameter of a route: ``name:type`` with ``!`` if required."""
+
+    def __init__(self, spec):
+        spec, self.required = (spec[:-1], True) if spec.endswith("!") else (spec, False)
+        self.name, _, self.type = spec.partition(":")
+        self.type = self.type or "str"
+        if "|" in self.type:  # a choice: one of the listed strings
+            self.choices = self.type.split("|")
+        else:
+            self.choices = None
+            if self.type not in PARAM_TYPES:
+                raise ValueError(f"unknown parameter type in {spec!r}")
+
+    def check(self, value):
+        if self.choices is not None:
+            if value not in self.choices:
+                raise InvalidParameter(
+                    f"'{self.name}' must be one of: {', '.join(self.choices)}.",
+                    field=self.name, allowed=self.choices)
+            return value
+        return PARAM_TYPES[self.type](self.name, value)
+
+
+class Route:
+    """One row of the route table.
+
+    ``path`` holds placeholders ``{name}`` (an integer id) or ``{name:sel|sel}``
+    listing what the placeholder accepts: ``int``, ``all``, ``import``, or
+    ``name`` (any single path segment, e.g. a field name).
+    """
+
+    _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
+
+    def __init__(self, method, path, level, handler, params="", writes=None):
+        self.method, self.path, self.level, self.handler = method, path, level, handler
+        self.params = {p.name: p for p in map(Param, params.split())}
+        self.writes = method != "GET" if writes is None else writes
+        self.ids = {m.group(1): (m.group(2) or "int").split("|")
+                    for m in self._PLACEHOLDER.finditer(path)}
+        self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
+
+    def parse_ids(self, raw):
+        ids = {}
+        for name, allowed in self.ids.items():
+            value = raw[name]
+            if "name" in allowed:
+                ids[name] = value
+            elif value in allowed:
+                ids[name] = value
+            elif "int" in allowed and _as_int(value) is not None and value.isdigit():
+                ids[name] = int(value)
+            else:
+                words = [w for w in allowed if w != "int"]
+                allowed_text = "an integer" + "".join(f" or '{w}'" for w in words)
+                raise InvalidIdentifier(
+                    f"The identifier '{value}' is not valid here: {name} must be {allowed_text}.",
+                    field=name)
+        return ids
+
+
+class Call:
+    """What a handler gets: the connection, the caller's account, the
+    parameters given (already checked), and the app's settings."""
+
+    __slots__ = ("conn", "account", "params", "service", "response_id")
+
+    def __init__(self, conn, account, params, service, response_id):
+        self.conn, self.account, self.params = conn, account, params
+        self.service, self.response_id = service, response_id
+
+    def get(self, name, default=None):
+        return self.params.get(name, default)
+
+    @property
+    def base_url(self):
+        """Where this API is reachable from outside: for links in emails."""
+        if self.service.config["public_url"]:
+            return self.service.config["public_url"].rstrip("/")
+        request = bottle.request
+        prefix = self.service.app.config.get("_mount.prefix", "") or ""
+        scheme, netloc = request.urlparts[:2]
+        root = (request.script_name.rstrip("/") + "/" + prefix.strip("/")).rstrip("/")
+        return f"{scheme}://{netloc}{root}"
+
+
+def _read_body(environ, limit):
+    """The request body, refusing one over ``limit`` before reading it."""
+    length = environ.get("CONTENT_LENGTH") or ""
+    stream = environ.get("wsgi.input")
+    if stream is None:
+        return b""
+    if length.strip():
+        try:
+            length = int(length)
+        except ValueError:
+            raise InvalidJson("The Content-Length header is not a number.") from None
+        if length > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+        return stream.read(length) if length > 0 else b""
+    if "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+        # Servers that de-chunk (waitress, gunicorn) hand the body over as a
+        # stream without a length: read it in pieces up to the limit.
+        parts, size = [], 0
+        while True:
+            part = stream.read(65536)
+            if not part:
+                return b"".join(parts)
+            size += len(part)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+            parts.append(part)
+    return b""
+
+
+def _read_params(route, environ, limit):
+    """Parameters from the query string and the JSON body (body keys win)."""
+    given = {}
+    try:
+        pairs = urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True,
+                                       encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidParameter("The query string is not valid UTF-8.") from None
+    for name, value in pairs:
+        if name in given:
+            raise InvalidParameter(f"The parameter '{name}' is given twice.", field=name)
+        given[name] = value
+    body = _read_body(environ, limit)
+    if body.strip():
+        content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise UnsupportedMediaType("Send parameters as JSON with Content-Type: application/json.")
+        try:
+            document = json.loads(body)
+        except (ValueError, RecursionError):
+            raise InvalidJson("The request body is not valid JSON.") from None
+        del body
+        if not isinstance(document, dict):
+            raise InvalidJson("The request body must be a JSON object of parameters.")
+        given.update(document)
+    unknown = sorted(set(given) - set(route.params))
+    if unknown:
+        raise UnknownParameter(
+            f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}.",
+            field=unknown, allowed=sorted(route.params))
+    params = {name: route.params[name].check(value) for name, value in given.items()}
+    missing = [p.name for p in route.params.values() if p.required and p.name not in params]
+    if missing:
+        raise MissingParameter(f"Missing required parameter: {', '.join(missing)}.",
+                               field=missing)
+    return params
+
+
+def _page(call):
+    """``(limit, offset)`` of a listing, checked."""
+    limit = call.get("limit", PAGE_DEFAULT)
+    offset = call.get("offset", 0)
+    if not 1 <= limit <= PAGE_MAX:
+        raise InvalidParameter(f"'limit' must be from 1 to {PAGE_MAX}.", field="limit")
+    return limit, offset
+
+
+def _listing(kind, records, total, limit, offset):
+    return {kind: records, "total": str(total), "limit": str(limit), "offset": str(offset)}
+
+
+def _same_id(call, name, value):
+    """Refuse when the body's ``name`` does not repeat the path's id."""
+    if call.get(name) != value:
+        raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
+
+
+def _envelope(response_id, success, data):
+    return {"responseId": response_id, "version": 1, "success": success, "data": data}
+
+
+def _prefers_html(accept):
+    """True when the Accept header ranks text/html above JSON (a browser)."""
+    quality = {}
+    for item in (accept or "").split(","):
+        media, *options = [part.strip() for part in item.split(";")]
+        q = 1.0
+        for option in options:
+            if option.startswith("q="):
+                try:
+                    q = float(option[2:])
+                except ValueError:
+                    q = 0.0
+        quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
+    html_q = quality.get("text/html", 0.0)
+    json_q = max(quality.get("application/json", 0.0), quality.get("application/*", 0.0),
+                 quality.get("*/*", 0.0))
+    return html_q > json_q
+
+
+_HTML_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>campaignapi: {title}</title>
+<style>body{{font:15px/1.4 system-ui,sans-serif;margin:2em;color:#222}}
+pre{{background:#f6f8fa;padding:1em;border-radius:6px;overflow:auto}}
+.false{{color:#b00020}}.true{{color:#137333}}</style></head>
+<body><h1 class="{success}">{title}</h1><pre id="envelope">{body}</pre></body></html>
+"""
+
+
+def _respond(status, envelope, headers=None):
+    """The HTTP response for an envelope: JSON, or a small page for a browser."""
+    response = bottle.HTTPResponse(status=status, headers=headers or {})
+    response.set_header("X-Response-Id", envelope["responseId"])
+    if _prefers_html(bottle.request.get_header("Accept")):
+        title = "success" if envelope["success"] else envelope["data"].get("error", "error")
+        response.content_type = "text/html; charset=utf-8"
+        response.body = _HTML_PAGE.format(
+            title=html.escape(title), success=str(envelope["success"]).lower(),
+            body=html.escape(json.dumps(envelope, indent=2, ensure_ascii=False)))
+    else:
+        response.content_type = "application/json"
+        response.body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False)
+    return response
+
+
+def _error_response(response_id, error):
+    """The one place an error becomes an envelope."""
+    return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
+
+
+def _new_response_id():
+    return uuid.uuid4().hex
+
+
+class Service:
+    """The state of one app: its database, settings and per-thread connections."""
+
+    def __init__(self, db, config):
+        self.db, self.config = db, config
+        self.app = None
+        self._local = threading.local()
+        self._secret = None
+
+    def conn(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = connect(self.db)
+        return conn
+
+    @property
+    def secret(self):
+        """The key for signed tokens: configured, or made once and stored."""
+        if self._secret is None:
+            self._secret = self.config["secret"] or _stored_secret(self.conn())
+        return self._secret
+
+    def dispatch(self, route, raw_ids):
+        """The request pipeline: every route goes through here."""
+        response_id = _new_response_id()
+        request = bottle.request
+        started = time.perf_counter()
+        status = 500
+        try:
+            conn = self.conn()
+            account = None
+            if route.level:
+                key = authenticate(conn, request.get_header("Authorization"))
+                require_level(key, route.level)
+                account = key["account"]
+            ids = route.parse_ids(raw_ids)
+            params = _read_params(route, request.environ, self.config["max_body"])
+            call = Call(conn, account, params, self, response_id)
+            if route.writes:
+                with transaction(conn):
+                    data = route.handler(call, **ids)
+            else:
+                data = route.handler(call, **ids)
+            if isinstance(data, bottle.HTTPResponse):  # a download or a page
+                data.set_header("X-Response-Id", response_id)
+                status = data.status_code
+                return data
+            status = 200
+            return _respond(200, _envelope(response_id, True, data))
+        except ApiError as error:
+            status = error.status
+            return _error_response(response_id, error)
+        except sqlite3.IntegrityError:
+            status = 409
+            return _error_response(response_id, Conflict(
+                "The change conflicts with existing data (a duplicate or a missing reference)."))
+        except Exception:
+            log.exception("internal error, responseId %s", response_id)
+            return _error_response(response_id, ApiError(
+                f"Something went wrong on our side; quote responseId {response_id} when reporting it."))
+        finally:
+            log.info("%s %s %s %s %.1fms", response_id, request.method, request.path, status,
+                     (time.perf_counter() - started) * 1000)
+
+    def bottle_error(self, error):
+        """Bottle's own errors (no such route, wrong method) as envelopes."""
+        response_id = _new_response_id()
+        if error.status_code == 404:
+            api_error = NotFound(f"There is no route {bottle.request.method} {bottle.request.path}.")
+        elif error.status_code == 405:
+            api_error = MethodNotAllowed(
+                f"{bottle.request.method} is not allowed here; allowed: {error.headers.get('Allow', '')}.")
+            api_error.headers = {"Allow": error.headers.get("Allow", "")}
+        elif error.status_code == 413:
+            api_error = PayloadTooLarge("The request body is too large.")
+        elif error.status_code >= 500:
+            log.error("internal error, responseId %s: %s", response_id, error.traceback or error.body)
+            api_error = ApiError(f"Something went wrong on our side; quote responseId {response_id}.")
+        else:
+            api_error = InvalidParameter(str(error.body))
+            api_error.status = error.status_code
+        log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
+                 api_error.status)
+        envelope = _envelope(response_id, False, api_error.data())
+        response = _respond(api_error.status, envelope, api_error.headers)
+        # Bottle already copied the error's status and headers into the
+        # response it will send; overwrite them with ours.
+        bottle.response.status = response.status
+        for name, value in response.headerlist:
+            bottle.response.set_header(name, value)
+        return response.body
+
+
+def _stored_secret(conn):
+    row = conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()
+    if row:
+        return row["value"]
+    with transaction(conn):
+        conn.execute("INSERT OR IGNORE INTO setting (name, value) VALUES ('secret', ?)",
+                     (secrets.token_hex(32),))
+    return conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()["value"]
+
+
+# ---------------------------------------------------------------------------
+# Records: the shared plumbing of every resource that has an owner.
+# ---------------------------------------------------------------------------
+
+class Kind:
+    """A kind of owned record: its table, its answer key, its record shape."""
+
+    def __init__(self, name, table, shape, soft_delete=True, label=None):
+        self.name, self.table, self.shape = name, table, shape
+        self.soft_delete = soft_delete
+        self.label = label or name
+
+
+def get_owned(conn, kind, account, record_id, *, live=False):
+    """The row ``record_id`` of ``kind`` if ``account`` owns it, else 404.
+
+    :param live: also refuse (409) a soft-deleted record, for writes and uses.
+    """
+    row = conn.execute(f"SELECT * FROM {kind.table} WHERE id = ? AND owner = ?",
+                       (record_id, account)).fetchone()
+    if row is None:
+        raise NotFound(f"There is no {kind.label} {record_id}.")
+    if live and kind.soft_delete and row["deleted"]:
+        raise Conflict(f"{kind.label.capitalize()} {record_id} is deleted.")
+    return row
+
+
+def list_owned(call, kind, where="", args=()):
+    """One page of the account's records of ``kind`` that are not deleted.
+
+    :param where: a further SQL condition (a fixed string, never request text).
+    """
+    limit, offset = _page(call)
+    where = " AND ".join(filter(None, ["owner = ?", "deleted = 0" if kind.soft_delete else "",
+                                        where]))
+    args = (call.account, *args)
+    total = call.conn.execute(f"SELECT count(*) FROM {kind.table} WHERE {where}",
+                              args).fetchone()[0]
+    rows = call.conn.execute(f"SELECT * FROM {kind.table} WHERE {where} ORDER BY id "
+                             "LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()
+    return [kind.shape(call.conn, row) for row in rows], total, limit, offset
+
+
+def get_record(call, kind, record_id):
+    """The Get answer for ``record_id``: one record, or a page for ``all``."""
+    if record_id == "all":
+        return _listing(kind.name, *list_owned(call, kind))
+    return {kind.name: kind.shape(call.conn, get_owned(call.conn, kind, call.account, record_id))}
+
+
+def insert_record(conn, table, record_id, values):
+    """Insert a row at ``record_id`` (0: the next id) and return its id.
+
+    A positive free id is taken as given, so a client can retry a create.
+    """
+    if record_id:
+        if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (record_id,)).fetchone():
+            raise Conflict(f"The id {record_id} is taken; create at id 0 to get a new one.")
+        values = {"id": record_id, **values}
+    columns = ", ".join(values)
+    marks = ", ".join("?" for _ in values)
+    return conn.execute(f"INSERT INTO {table} ({columns}) VALUES ({marks})",
+                        tuple(values.values())).lastrowid
+
+
+def update_record(conn, table, record_id, values):
+    """Set ``values`` (column -> value) on row ``record_id``; nothing if empty."""
+    if values:
+        assignments = ", ".join(f"{column} = ?" for column in values)
+        conn.execute(f"UPDATE {table} SET {assignments} WHERE id = ?",
+                     (*values.values(), record_id))
+
+
+def soft_delete(call, kind, record_id):
+    get_owned(call.conn, kind, call.account, record_id, live=True)
+    call.conn.execute(f"UPDATE {kind.table} SET deleted = 1 WHERE id = ?", (record_id,))
+    return True
+
+
+def _columns(call, names):
+    """The given parameters among ``names``, as column -> value."""
+    return {name: call.params[name] for name in names if name in call.params}
+
+
+# ---------------------------------------------------------------------------
+# Datasources
+# ---------------------------------------------------------------------------
+
+def _datasource_record(conn, row):
+    fields = [{"id": str(f["id"]), "name": f["name"], "type": f["type"]} for f in conn.execute(
+        "SELECT id, name, type FROM field WHERE datasource = ? ORDER BY id", (row["id"],))]
+    recipients = conn.execute("SELECT count(*) FROM recipient WHERE datasource = ? "
+                              "AND status = 'active'", (row["id"],)).fetchone()[0]
+    return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
+            "description": row["description"], "origin": row["origin"], "fields": fields,
+            "recipients": str(recipients), "created": row["created"],
+            "deleted": str(row["deleted"])}
+
+
+DATASOURCE = Kind("datasource", "datasource", _datasource_record)
+
+
+def _checked_fields(fields):
+    """A create/change ``fields`` list as ``[(name, type)]``, refusing bad ones."""
+    checked = {}
+    for index, item in enumerate(fields):
+        if not isinstance(item, dict) or set(item) - {"name", "type"} or "name" not in item:
+            raise InvalidParameter(f"fields[{index}] must be an object with 'name' and 'type'.",
+                                   field="fields")
+        name = item["name"]
+        kind = item.get("type", "text")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200 \
+                or any(c in name for c in "\r\n\x00{}"):
+            raise InvalidParameter(f"fields[{index}].name must be a non-empty single-line name "
+                                   "without braces.", field="fields")
+        if kind not in FIELD_TYPES:
+            raise InvalidParameter(f"fields[{index}].type must be one of {', '.join(FIELD_TYPES)}.",
+                                   field="fields", allowed=list(FIELD_TYPES))
+        name = name.strip()
+        if name.lower() == "email" and kind != "email":
+            raise InvalidParameter("The field 'email' always exists, with type email.",
+                                   field="fields")
+        checked[name.lower()] = (name, kind)
+    return list(checked.values())
+
+
+def _add_fields(conn, datasource, fields):
+    """Add the fields that the datasource lacks; a known name must keep its type."""
+    existing = {row["name"].lower(): row["type"] for row in conn.execute(
+        "SELECT name, type FROM field WHERE datasource = ?", (datasource,))}
+    for name, kind in fields:
+        if name.lower() not in existing:
+            conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
+                         (datasource, name, kind))
+        elif existing[name.lower()] != kind:
+            raise Conflict(f"The field '{name}' exists with type {existing[name.lower()]}; "
+                           "change its type with the modify operation.", field="fields")
+
+
+def datasource_get(call, id):
+    if id == "import":
+        return _listing("datasource", *list_owned(call, DATASOURCE, "origin = 'import'"))
+    return get_record(call, DATASOURCE, id)
+
+
+def datasource_create(call, id):
+    fields = _checked_fields(call.get("fields", []))
+    values = {"owner": call.account, "created": _now(), "name": call.get("name"),
+              **_columns(call, ("description", "origin"))}
+    new_id = insert_record(call.conn, "datasource", id, values)
+    _add_fields(call.conn, new_id, [("email", "email")] + fields)
+    return {"id": str(new_id)}
+
+
+def datasource_change(call, id):
+    get_owned(call.conn, DATASOURCE, call.account, id, live=True)
+    update_record(call.conn, "datasource", id, _columns(call, ("name", "description", "origin")))
+    if "fields" in call.params:
+        _add_fields(call.conn, id, _checked_fields(call.params["fields"]))
+    return True
+
+
+def datasource_delete(call, id):
+    _same_id(call, "id", id)
+    return soft_delete(call, DATASOURCE, id)
+
+
+_DATETIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M")
+_TRUE, _FALSE = {"1", "true", "yes", "y", "t", "on"}, {"0", "false", "no", "n", "f", "off"}
+
+
+def convert_value(kind, value):
+    """A field value as stored for a field of type ``kind`` (ValueError if it
+    cannot be).  Empty stays None, so a blank cell never fails a type."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        value = "1" if value else "0"
+    text = str(value).strip()
+    if text == "":
+        return None
+    if kind == "text":
+        return str(value)
+    if kind == "integer":
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if re.fullmatch(r"[+-]?\d{1,18}", text):
+            return int(text)
+        raise ValueError(f"'{text}' is not a whole number")
+    if kind == "number":
+        try:
+            number = float(text.replace(",", ".") if text.count(",") == 1 and "." not in text
+                           else text)
+        except ValueError:
+            raise ValueError(f"'{text}' is not a number") from None
+        if number != number or number in (float("inf"), float("-inf")):
+            raise ValueError(f"'{text}' is not a finite number")
+        return number
+    if kind == "boolean":
+        if text.lower() in _TRUE:
+            return 1
+        if text.lower() in _FALSE:
+            return 0
+        raise ValueError(f"'{text}' is not a yes/no value (1/0, true/false, yes/no)")
+    if kind == "date":
+        try:
+            return datetime.date.fromisoformat(text).isoformat()
+        except ValueError:
+            raise ValueError(f"'{text}' is not a date (YYYY-MM-DD)") from None
+    if kind == "datetime":
+        for pattern in _DATETIME_FORMATS:
+            try:
+                return datetime.datetime.strptime(text, pattern).strftime("%Y-%m-%d %H:%M:%S")
+            except ValueError:
+                pass
+        raise ValueError(f"'{text}' is not a date and time (YYYY-MM-DD HH:MM:SS)")
+    if kind == "email":
+        address = _normalize_email(text)
+        if address is None:
+            raise ValueError(f"'{text}' is not a valid email address")
+        return address
+    raise ValueError(f"unknown field type {kind}")
+
+
+def display_value(value):
+    """A stored field value as the API answers it (and merge tags insert it)."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def datasource_fields(conn, datasource):
+    """``{lower-case name: (field id, name, type)}`` of one datasource."""
+    return {row["name"].lower(): (row["id"], row["name"], row["type"]) for row in conn.execute(
+        "SELECT id, name, type FROM field WHERE datasource = ?", (datasource,))}
+
+
+def recipient_values(fields, row):
+    """``{field name: display string}`` of a recipient row, email included.
+
+    :param fields: the datasource's fields, as datasource_fields() gives them.
+    """
+    data = json.loads(row["data"])
+    values = {name: display_value(data.get(str(field_id)))
+              for field_id, name, _ in fields.values()}
+    values["email"] = row["email"]
+    return values
+
+
+# ---------------------------------------------------------------------------
+# Campaigns
+# ---------------------------------------------------------------------------
+
+def _campaign_scheduled(conn, campaign_id):
+    """1 while the campaign has a batch waiting or sending (derived, not stored)."""
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM batch WHERE campaign = ? "
+                        "AND status IN ('scheduled', 'sending'))", (campaign_id,)).fetchone()[0]
+
+
+def _campaign_record(conn, row):
+    return {"id": str(row["id"]), "owner": str(row["owner"]),
+            "accountprofile": str(row["accountprofile"]), "name": row["name"],
+            "description": row["description"], "enabled": str(row["enabled"]),
+            "scheduled": str(_campaign_scheduled(conn, row["id"])), "archiveemail": row["archiveemail"],
+            "defaulttemplate": row["defaulttemplate"], "created": row["created"],
+            "deleted": str(row["deleted"]), "thumbnail": row["thumbnail"],
+            "archiveid": str(row["id"])}
+
+
+CAMPAIGN = Kind("campaign", "campaign", _campaign_record)
+_CAMPAIGN_COLUMNS = ("name", "description", "enabled", "archiveemail", "defaulttemplate",
+                     "thumbnail", "accountprofile")
+
+
+def get_campaign(conn, account, campaign_id, *, live=False):
+    return get_owned(conn, CAMPAIGN, account, campaign_id, live=live)
+
+
+def campaign_get(call, id):
+    # The spec answers an array under emt_campaign, for one id as for all.
+    if id == "all":
+        return _listing("emt_campaign", *list_owned(call, CAMPAIGN))
+    return {"emt_campaign": [get_record(call, CAMPAIGN, id)["campaign"]]}
+
+
+def _campaign_values(call):
+    values = _columns(call, _CAMPAIGN_COLUMNS)
+    for name in ("archiveemail", "thumbnail"):
+        if values.get(name) == "":
+            values[name] = None
+    return values
+
+
+def campaign_create(call, id):
+    values = {"owner": call.account, "created": _now(), **_campaign_values(call)}
+    return {"id": str(insert_record(call.conn, "campaign", id, values))}
+
+
+def campaign_change(call, id):
+    get_campaign(call.conn, call.account, id, live=True)
+    if call.get("scheduled") == 1:
+        raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
+                               "'scheduled' only takes '0', to cancel.", field="scheduled")
+    update_record(call.conn, "campaign", id, _campaign_values(call))
+    if call.get("scheduled") == 0:
+        cancel_batches(call.conn, id)
+    return True
+
+
+def campaign_delete(call, id):
+    soft_delete(call, CAMPAIGN, id)
+    cancel_batches(call.conn, id)
+    return True
+
+
+def cancel_batches(conn, campaign_id):
+    """Cancel the campaign's batches that have not started sending."""
+    conn.execute("UPDATE batch SET status = 'cancelled', finished = ? "
+                 "WHERE campaign = ? AND status = 'scheduled'", (_now(), campaign_id))
+
+
+# ---------------------------------------------------------------------------
+# Segments
+# ---------------------------------------------------------------------------
+
+SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
+
+
+def _condition_sql(column, kind, op, value):
+    """SQL for one condition on one column expression, and its parameters.
+
+    ``column`` is SQL we build from field ids, never request text; the value is
+    always a parameter, converted to the field's type so comparisons are typed.
+    """
+    if op == "empty":
+        return f"({column} IS NULL OR {column} = '')", ()
+    if op == "notempty":
+        return f"({column} IS NOT NULL AND {column} != '')", ()
+    if op in ("contains", "startswith"):
+        needle = str(value).lower()
+        if op == "contains":
+            return f"instr(lower({column}), ?) > 0", (needle,)
+        return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
+    typed = convert_value(kind if kind != "email" else "text", value)
+    if kind in ("text", "email") and typed is not None:
+        column, typed = f"lower({column})", str(typed).lower()
+    if op == "eq":
+        return f"{column} IS ?", (typed,)
+    if op == "ne":
+        return f"{column} IS NOT ?", (typed,)
+    return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
+
+
+def segment_filter(conn, datasources, match, conditions):
+    """``(sql, params)``: a WHERE clause over ``recipient r`` that selects the
+    active recipients of a segment.  Counting and sending both use it, so the
+    size a client sees is the audience that is sent to.
+
+    A condition on a field that one datasource lacks is false there (and
+    ``empty`` true).  ValueError when a condition's value does not fit its
+    field's type.
+    """
+    if not datasources:
+        return "0", ()
+    parts, params = [], []
+    for datasource in datasources:
+        fields = datasource_fields(conn, datasource)
+        tests, test_params = [], []
+        for condition in conditions:
+            name, op, value = condition["field"].lower(), condition["op"], condition.get("value")
+            if name == "email":
+                sql, args = _condition_sql("r.email", "email", op, value)
+            elif name in fields:
+                field_id, _, kind = fields[name]
+                column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
+                sql, args = _condition_sql(column, kind, op, value)
+            else:
+                sql, args = ("1", ()) if op == "empty" else ("0", ())
+            tests.append(sql)
+            test_params.extend(args)
+        joiner = " AND " if match == "all" else " OR "
+        test = joiner.join(tests) if tests else "1"
+        parts.append(f"(r.datasource = ? AND ({test}))")
+        params.extend([datasource, *test_params])
+    return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
+
+
+# ---------------------------------------------------------------------------
+# Rendering and the outbox
+# ---------------------------------------------------------------------------
+
+_MERGE_TAG = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
+
+
+def merge_tags(template):
+    """The names of the merge tags in ``template``, lower-cased."""
+    return {name.lower() for name in _MERGE_TAG.findall(template or "")}
+
+
+def render(template, values, *, as_html=False):
+    """Fill ``{{name}}`` merge tags from ``values`` (names without case).
+
+    Plain substitution, no template code: a value is inserted as text, and
+    HTML-escaped when ``as_html``.  An unknown tag becomes empty (verify
+    reports unknown tags before a campaign can be sent).
+    """
+    lowered = {name.lower(): value for name, value in values.items()}
+
+    def fill(match):
+        value = lowered.get(match.group(1).lower(), "")
+        return html.escape(str(value), quote=True) if as_html else str(value)
+
+    return _MERGE_TAG.sub(fill, template or "")
+
+
+def enqueue_email(conn, account, to_addr, subject, body, kind="notification"):
+    """Queue a ready-made email (a notification or an archive copy) in the
+    outbox; the worker delivers it.  Returns the outbox row id."""
+    return conn.execute(
+        "INSERT INTO outbox (account, kind, to_addr, subject, body, created, next_try) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (account, kind, to_addr, subject, body, _now(), _now())).lastrowid
+
+
+def account_email(conn, account):
+    """The account holder's address, where notifications go."""
+    return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
+
+
+# ---------------------------------------------------------------------------
+# The route table and create_app()
+# ---------------------------------------------------------------------------
+
+_PAGE = "limit:int offset:int"
+
+#: Every route of the API: (method, path, level, handler, parameters).
+ROUTES = [
+    # Datasources
+    Route("GET", "/datasource/{id:int|all|import}", "read", datasource_get, _PAGE),
+    Route("POST", "/datasource/{id}", "write", datasource_change,
+          "name:str description:text origin:import|signup|api fields:list"),
+    Route("PUT", "/datasource/{id}", "create", datasource_create,
+          "name:str! description:text origin:import|signup|api fields:list"),
+    Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!"),
+
+    # Campaigns
+    Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE),
+    Route("PUT", "/campaign/{id}", "create", campaign_create,
+          "name:str! accountprofile:int! description:text enabled:flag archiveemail:email "
+          "defaulttemplate:str thumbnail:str"),
+    Route("POST", "/campaign/{id}", "write", campaign_change,
+          "name:str accountprofile:int description:text enabled:flag archiveemail:email "
+          "defaulttemplate:str thumbnail:str scheduled:flag"),
+    Route("DELETE", "/campaign/{id}", "delete", campaign_delete, ""),
+]
+
+
+def create_app(db="campaignapi.db", **config):
+    """Build the API as a Bottle app (a WSGI callable) over the database ``db``.
+
+    :param db: path of the SQLite file; created with the schema if new.
+    :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
+    """
+    unknown = set(config) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise TypeError(f"create_app() got unknown settings: {', '.join(sorted(unknown))}")
+    init_db(db)
+    service = Service(db, {**DEFAULT_CONFIG, **config})
+    app = service.app = bottle.Bottle(catchall=True)
+    app.config["campaignapi.service"] = service
+    app.default_error_handler = service.bottle_error
+    for route in ROUTES:
+        app.route(route.rule, route.method,
+                  callback=lambda _route=route, **ids: service.dispatch(_route, ids),
+                  name=f"{route.method} {route.path}")
+    return app
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def _cmd_serve(args):
+    init_db(args.db)
+    conn = connect(args.db)
+    try:
+        if conn.execute("SELECT count(*) FROM account").fetchone()[0] == 0:
+            secret = create_key(args.db, args.email, name="first key")
+            print(f"New database {args.db}: account {args.email} with a full-access API key.")
+            print("Keep this secret; it is shown only once:")
+            print(secret)
+    finally:
+        conn.close()
+    app = create_app(args.db, **({"public_url": args.public_url} if args.public_url else {}))
+    print(f"campaignapi {__version__} serving {args.db} on http://{args.host}:{args.port}/v1/",
+          flush=True)
+    import waitress
+    waitress.serve(app, host=args.host, port=args.port, threads=args.threads, ident="campaignapi")
+
+
+def _cmd_key(args):
+    if args.action == "create":
+        try:
+            secret = create_key(args.db, args.email, args.levels, args.name, args.expires)
+        except ValueError as error:
+            sys.exit(f"error: {error}")
+        print(f"Key for {args.email} ({args.levels}); the secret is shown only once:")
+        print(secret)
+    elif args.action == "list":
+        for key in list_keys(args.db):
+            state = "revoked" if key["revoked"] else f"expires {key['expires'] or 'never'}"
+            print(f"{key['id']}\t{key['email']}\t{key['levels']}\t{key['name']}\t{state}")
+    else:
+        if not revoke_key(args.db, args.id):
+            sys.exit(f"error: there is no key {args.id}")
+        print(f"Key {args.id} revoked.")
+
+
+def main(argv=None):
+    """The command line: ``serve`` (the default), ``key create|list|revoke``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "key", "-h", "--help", "--version"):
+        argv.insert(0, "serve")
+    parser = argparse.ArgumentParser(prog="campaignapi", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the API (the default command)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--db", default="campaignapi.db")
+    serve.add_argument("--public-url", default="",
+                       help="base URL for links in emails (default http://HOST:PORT)")
+    serve.add_argument("--threads", type=int, default=8)
+    serve.add_argument("--email", default="admin@localhost",
+                       help="account address used when the database is new")
+    serve.set_defaults(func=_cmd_serve)
+
+    key = commands.add_parser("key", help="issue, list and revoke API keys")
+    actions = key.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="issue a key; prints the secret last")
+    create.add_argument("--email", required=True)
+    create.add_argument("--levels", default=",".join(LEVELS))
+    create.add_argument("--name", default="")
+    create.add_argument("--expires", default=None, help="YYYY-MM-DD (valid through that day, UTC)")
+    listing = actions.add_parser("list", help="list keys (never their secrets)")
+    revoke = actions.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id", type=int)
+    for sub in (create, listing, revoke):
+        sub.add_argument("--db", default="campaignapi.db")
+    key.set_defaults(func=_cmd_key)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve" and not args.public_url:
+        args.public_url = f"http://{args.host}:{args.port}"
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

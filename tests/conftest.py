@@ -1,0 +1,82 @@
+"""Fixtures: an app on a temporary SQLite file, a WebTest client, keys."""
+
+import pytest
+import webtest
+
+import campaignapi
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "campaignapi.db")
+
+
+@pytest.fixture
+def app(db):
+    return campaignapi.create_app(db)
+
+
+@pytest.fixture
+def client(app):
+    return webtest.TestApp(app)
+
+
+@pytest.fixture
+def make_key(db, app):
+    """Issue a key: ``make_key(levels=..., email=...)`` -> Authorization headers."""
+
+    def make(levels=campaignapi.LEVELS, email="owner@example.com", **options):
+        secret = campaignapi.create_key(db, email, levels, **options)
+        return {"Authorization": f"Bearer {secret}"}
+
+    return make
+
+
+@pytest.fixture
+def auth(make_key):
+    """Headers of a full-access key of the account owner@example.com."""
+    return make_key()
+
+
+@pytest.fixture
+def other(make_key):
+    """Headers of a full-access key of another account."""
+    return make_key(email="stranger@example.org")
+
+
+class Api:
+    """Small helpers over the client: ``api.put("/campaign/0", name=...)``."""
+
+    def __init__(self, client, headers):
+        self.client, self.headers = client, headers
+
+    def call(self, method, path, params=None, status=200, headers=None):
+        response = self.client.request(
+            "/v1" + path, method=method, headers={**self.headers, **(headers or {})},
+            body=campaignapi.json.dumps(params).encode() if params is not None else b"",
+            content_type="application/json" if params is not None else None,
+            expect_errors=True)
+        assert response.status_int == status, (response.status, response.text)
+        return response.json["data"]
+
+    def get(self, path, status=200, **params):
+        return self.call("GET", path, params or None, status)
+
+    def put(self, path, status=200, **params):
+        return self.call("PUT", path, params, status)
+
+    def post(self, path, status=200, **params):
+        return self.call("POST", path, params, status)
+
+    def delete(self, path, status=200, **params):
+        return self.call("DELETE", path, params or None, status)
+
+
+@pytest.fixture
+def api(client, auth):
+    return Api(client, auth)
+
+
+@pytest.fixture
+def stranger_api(client, other):
+    return Api(client, other)
