@@ -1038,6 +1038,20 @@ def recipient_values(fields, row):
 
 
 # ---------------------------------------------------------------------------
+# Recipients, field changes, imports, exports, organize
+# ---------------------------------------------------------------------------
+
+# (recipient-data issue)
+
+
+# ---------------------------------------------------------------------------
+# Messages and sender profiles
+# ---------------------------------------------------------------------------
+
+# (campaign-content issue)
+
+
+# ---------------------------------------------------------------------------
 # Campaigns
 # ---------------------------------------------------------------------------
 
@@ -1107,6 +1121,20 @@ def cancel_batches(conn, campaign_id):
     """Cancel the campaign's batches that have not started sending."""
     conn.execute("UPDATE batch SET status = 'cancelled', finished = ? "
                  "WHERE campaign = ? AND status = 'scheduled'", (_now(), campaign_id))
+
+
+# ---------------------------------------------------------------------------
+# Campaign messages, structure, verify
+# ---------------------------------------------------------------------------
+
+# (campaign-content issue)
+
+
+# ---------------------------------------------------------------------------
+# Sending: batches, process_due, archives
+# ---------------------------------------------------------------------------
+
+# (sending issue)
 
 
 # ---------------------------------------------------------------------------
@@ -1218,6 +1246,20 @@ def account_email(conn, account):
 
 
 # ---------------------------------------------------------------------------
+# Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
+# ---------------------------------------------------------------------------
+
+# (sending issue)
+
+
+# ---------------------------------------------------------------------------
+# OpenAPI
+# ---------------------------------------------------------------------------
+
+# (ecosystem issue)
+
+
+# ---------------------------------------------------------------------------
 # The route table and create_app()
 # ---------------------------------------------------------------------------
 
@@ -1233,6 +1275,12 @@ ROUTES = [
           "name:str! description:text origin:import|signup|api fields:list"),
     Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!"),
 
+    # Recipients, field changes, imports, exports, organize
+
+
+    # Messages, segments, sender profiles
+
+
     # Campaigns
     Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE),
     Route("PUT", "/campaign/{id}", "create", campaign_create,
@@ -1242,6 +1290,15 @@ ROUTES = [
           "name:str accountprofile:int description:text enabled:flag archiveemail:email "
           "defaulttemplate:str thumbnail:str scheduled:flag"),
     Route("DELETE", "/campaign/{id}", "delete", campaign_delete, ""),
+
+    # Campaign messages, structure, verify
+
+
+    # Send and archives
+
+
+    # Public routes (no key): downloads, unsubscribe, the OpenAPI document
+
 ]
 
 
