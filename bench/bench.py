@@ -1,0 +1,481 @@
+"""Benchmarks of campaignapi, each against a baseline measured in the same run.
+
+    python bench/bench.py [--rows N] [--emails M] [--only NAME] [--seconds S]
+
+Prints one line per benchmark and, last, one JSON line with every figure.
+The machines are shared and noisy, so every figure that matters is a ratio to
+a baseline that does the same work in the plainest way, on the same machine,
+in the same run:
+
+  import   N rows (email + 5 fields, 1% invalid, 1% duplicates) as one base64
+           import through the WSGI app, vs sqlite3.executemany of the same
+           parsed rows into a table of the same shape and unique index.
+           Target: ratio >= 0.5, peak RSS <= 4x the upload.
+  queue    process_due() of a send now to a segment of N recipients, vs one
+           INSERT ... SELECT of N rows into an outbox-shaped table.
+           Target: <= 10 s, ratio >= 0.3.
+  deliver  M emails from the outbox to a local SMTP sink (aiosmtpd, its own
+           process), vs smtplib sending M pre-built messages over one
+           connection to the same sink.  Target: ratio >= 0.8 with one
+           connection, >= 1.5 with the pool.
+  api      GET /v1/campaign/{id} with a key through waitress (8 threads) under
+           wrk (or a Python keep-alive client), vs a bare Bottle route that
+           returns the same JSON through the same server and client.
+           Target: ratio >= 0.5; p50/p99 latency reported.
+
+Each benchmark runs in a child process of its own, so peak RSS is its own.
+"""
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import resource
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import campaignapi  # noqa: E402
+
+FIELDS = ("first", "last", "city", "age", "score")
+CITIES = ("Berlin", "Lisboa", "Oslo", "Québec", "Kraków", "Zürich", "Nantes", "Porto")
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def wsgi_call(app, method, path, body=b"", headers=None, body_file=None):
+    """Call the WSGI app directly, as a server would; returns (status, json)."""
+    environ = {
+        "REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
+        "SERVER_NAME": "bench", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
+        "wsgi.url_scheme": "http", "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
+        "wsgi.multithread": False, "wsgi.multiprocess": False, "wsgi.run_once": False,
+        "CONTENT_TYPE": "application/json",
+    }
+    if body_file is not None:
+        environ["wsgi.input"] = body_file
+        environ["CONTENT_LENGTH"] = str(os.fstat(body_file.fileno()).st_size)
+    else:
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+    for name, value in (headers or {}).items():
+        environ["HTTP_" + name.upper().replace("-", "_")] = value
+    status = []
+    out = b"".join(app(environ, lambda s, h, e=None: status.append(s)))
+    return int(status[0].split()[0]), json.loads(out)
+
+
+class Client:
+    """The API through the WSGI app, asserting success."""
+
+    def __init__(self, app, secret):
+        self.app, self.headers = app, {"Authorization": f"Bearer {secret}"}
+
+    def __call__(self, method, path, **params):
+        body = json.dumps(params).encode() if params else b""
+        status, envelope = wsgi_call(self.app, method, "/v1" + path, body, self.headers)
+        if status != 200:
+            raise RuntimeError(f"{method} {path}: {status} {envelope}")
+        return envelope["data"]
+
+
+def make_rows(n, seed=7):
+    """N CSV rows: 1% invalid emails, 1% repeated addresses (other case)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        roll = rng.random()
+        if roll < 0.01:
+            email = f"broken-{i}-at-example.com"
+        elif roll < 0.02 and i > 0:
+            email = f"User{rng.randrange(i)}@Example.COM"
+        else:
+            email = f"user{i}@example.com"
+        rows.append((email, f"First{i}", f"Last{i % 977}", CITIES[i % len(CITIES)],
+                     str(18 + i % 70), f"{rng.random() * 100:.2f}"))
+    return rows
+
+
+def rows_csv(rows):
+    out = io.StringIO()
+    out.write("email," + ",".join(FIELDS) + "\n")
+    for row in rows:
+        out.write(",".join(row) + "\n")
+    return out.getvalue().encode("utf-8")
+
+
+def new_service(tmp, **config):
+    db = os.path.join(tmp, "bench.db")
+    app = campaignapi.create_app(db, **config)
+    secret = campaignapi.create_key(db, "bench@example.com")
+    return db, app, Client(app, secret)
+
+
+def fill_recipients(db, datasource, n):
+    """N active recipients straight into the table (setup, not measured)."""
+    conn = campaignapi.connect(db)
+    with campaignapi.transaction(conn):
+        conn.executemany(
+            "INSERT INTO recipient (datasource, email, data, created, updated) "
+            "VALUES (?, ?, ?, datetime('now'), datetime('now'))",
+            ((datasource, f"user{i}@example.com", "{}") for i in range(n)))
+    conn.close()
+
+
+def build_campaign(api, datasource, html="<p>Hello {{email}}</p><a href='{{unsubscribe_url}}'>x</a>",
+                   text="Hello {{email}} {{unsubscribe_url}}"):
+    profile = api("PUT", "/accountprofile/0", name="bench", fromname="Bench",
+                  fromaddress="bench@example.com")["id"]
+    message = api("PUT", "/message/0", name="m", subject="Hello {{email}}",
+                  fromaddress="bench@example.com", html=html, text=text)["id"]
+    segment = api("PUT", "/segment/0", name="everyone", datasources=[int(datasource)])["id"]
+    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=int(profile))["id"]
+    api("PUT", f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
+    return campaign
+
+
+# ---------------------------------------------------------------------------
+# The benchmarks (each runs in a child process)
+# ---------------------------------------------------------------------------
+
+def bench_import(args, tmp):
+    rows = make_rows(args.rows)
+    upload = rows_csv(rows)
+    encoded = base64.b64encode(upload).decode("ascii")
+    body = json.dumps({"name": "bench", "originalfile": "bench.csv",
+                       "__uploadtype__": "base64", "__uploaddata__": encoded}).encode()
+    del encoded
+    # Baseline: the same rows, parsed in advance, in one executemany into a
+    # table of the same shape with the same unique index.
+    parsed = []
+    for email, *values in rows:
+        address = campaignapi._normalize_email(email)
+        if address:
+            parsed.append((1, address, json.dumps(dict(zip(map(str, range(2, 7)), values)))))
+    del rows
+    base = sqlite3.connect(os.path.join(tmp, "baseline.db"), isolation_level=None)
+    base.execute("PRAGMA journal_mode=WAL")
+    base.execute("PRAGMA synchronous=NORMAL")
+    base.execute("CREATE TABLE recipient (id INTEGER PRIMARY KEY, datasource INTEGER NOT NULL, "
+                 "email TEXT NOT NULL COLLATE NOCASE, data TEXT NOT NULL, status TEXT NOT NULL "
+                 "DEFAULT 'active', created TEXT, updated TEXT, UNIQUE (datasource, email))")
+    started = time.perf_counter()
+    base.execute("BEGIN")
+    base.executemany("INSERT INTO recipient (datasource, email, data, created, updated) "
+                     "VALUES (?, ?, ?, datetime('now'), datetime('now')) "
+                     "ON CONFLICT (datasource, email) DO UPDATE SET data = excluded.data", parsed)
+    base.execute("COMMIT")
+    baseline = time.perf_counter() - started
+    base.close()
+    n_parsed = len(parsed)
+    del parsed
+
+    body_path = os.path.join(tmp, "body.json")
+    with open(body_path, "wb") as f:
+        f.write(body)
+    upload_mb = len(body) / 2**20
+    del body, upload
+    db, app, api = new_service(tmp, max_body=2**31)
+    datasource = api("PUT", "/datasource/0", name="bench")["id"]
+    rss_before = peak_rss_mb()
+    with open(body_path, "rb") as f:
+        started = time.perf_counter()
+        status, envelope = wsgi_call(app, "PUT", f"/v1/datasource/{datasource}/import/0",
+                                     headers=api.headers, body_file=f)
+        elapsed = time.perf_counter() - started
+    if status != 200:
+        raise RuntimeError(f"import failed: {status} {envelope}")
+    record = api("GET", f"/datasource/{datasource}/import/{envelope['data']['id']}")["import"]
+    return {
+        "rows": args.rows, "seconds": round(elapsed, 2),
+        "rows_per_s": round(args.rows / elapsed), "baseline_seconds": round(baseline, 2),
+        "baseline_rows_per_s": round(n_parsed / baseline),
+        "ratio": round(baseline / elapsed, 2),
+        "inserted": int(record["inserted"]), "skipped": int(record["skipped"]),
+        "upload_mb": round(upload_mb, 1), "peak_rss_mb": round(peak_rss_mb(), 1),
+        "rss_before_mb": round(rss_before, 1),
+        "rss_ratio": round(peak_rss_mb() / upload_mb, 2),
+    }
+
+
+def bench_queue(args, tmp):
+    db, app, api = new_service(tmp)
+    datasource = api("PUT", "/datasource/0", name="bench")["id"]
+    fill_recipients(db, int(datasource), args.rows)
+    campaign = build_campaign(api, datasource)
+    api("PUT", f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
+    started = time.perf_counter()
+    campaignapi.process_due(db)
+    elapsed = time.perf_counter() - started
+    conn = campaignapi.connect(db)
+    queued = conn.execute("SELECT count(*) FROM outbox WHERE kind = 'campaign'").fetchone()[0]
+    # Baseline: one INSERT ... SELECT of the same rows into an outbox-shaped table.
+    conn.execute("CREATE TABLE outbox_copy AS SELECT * FROM outbox WHERE 0")
+    conn.execute("CREATE UNIQUE INDEX outbox_copy_once ON outbox_copy(batch, to_addr)")
+    started = time.perf_counter()
+    with campaignapi.transaction(conn):
+        conn.execute("INSERT INTO outbox_copy (account, kind, batch, message, recipient, "
+                     "to_addr, status, created, next_try) SELECT 1, 'campaign', 1, 1, id, email, "
+                     "'queued', datetime('now'), datetime('now') FROM recipient")
+    baseline = time.perf_counter() - started
+    conn.close()
+    return {"recipients": args.rows, "queued": queued, "seconds": round(elapsed, 2),
+            "baseline_seconds": round(baseline, 2), "ratio": round(baseline / elapsed, 2),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+SINK = """
+import sys, asyncio, time
+from aiosmtpd.controller import Controller
+class Count:
+    n = 0
+    async def handle_DATA(self, server, session, envelope):
+        Count.n += 1
+        return '250 OK'
+c = Controller(Count(), hostname='127.0.0.1', port=int(sys.argv[1]))
+c.start()
+print('ready', flush=True)
+sys.stdin.read()
+c.stop()
+"""
+
+
+def bench_deliver(args, tmp):
+    port = free_port()
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        sink.stdout.readline()
+        wait_port(port)
+        import smtplib
+        from email.message import EmailMessage
+        # Baseline: M pre-built messages over one connection.
+        messages = []
+        for i in range(args.emails):
+            m = EmailMessage()
+            m["From"], m["To"], m["Subject"] = "bench@example.com", f"user{i}@example.com", "Hi"
+            m.set_content(f"Hello user{i}@example.com")
+            m.add_alternative(f"<p>Hello user{i}@example.com</p>", subtype="html")
+            messages.append((f"user{i}@example.com", m.as_bytes()))
+        started = time.perf_counter()
+        with smtplib.SMTP("127.0.0.1", port) as smtp:
+            for to, data in messages:
+                smtp.sendmail("bench@example.com", [to], data)
+        baseline = time.perf_counter() - started
+        del messages
+        figures = {"emails": args.emails, "baseline_seconds": round(baseline, 2),
+                   "baseline_per_s": round(args.emails / baseline)}
+        for connections in (1, 4):
+            run = os.path.join(tmp, f"c{connections}")
+            os.makedirs(run)
+            db, app, api = new_service(run)
+            datasource = api("PUT", "/datasource/0", name="bench")["id"]
+            fill_recipients(db, int(datasource), args.emails)
+            campaign = build_campaign(api, datasource)
+            api("PUT", f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
+            campaignapi.process_due(db)
+            started = time.perf_counter()
+            counts = campaignapi.deliver(db, smtp=f"127.0.0.1:{port}", connections=connections)
+            elapsed = time.perf_counter() - started
+            figures[f"c{connections}_seconds"] = round(elapsed, 2)
+            figures[f"c{connections}_per_s"] = round(args.emails / elapsed)
+            figures[f"c{connections}_ratio"] = round(baseline / elapsed, 2)
+            figures[f"c{connections}_counts"] = counts
+        figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        return figures
+    finally:
+        sink.stdin.close()
+        sink.wait(timeout=10)
+
+
+SERVER = """
+import sys, json, bottle, waitress
+sys.path.insert(0, sys.argv[4])
+import campaignapi
+mode, db, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "api":
+    app = campaignapi.create_app(db)
+else:
+    # The same JSON the API answers, from a bare route.
+    body = open(db + ".json", "rb").read()
+    app = bottle.Bottle()
+    @app.get("/v1/campaign/<id>")
+    def campaign(id):
+        bottle.response.content_type = "application/json"
+        return body
+waitress.serve(app, host="127.0.0.1", port=port, threads=8, _quiet=True)
+"""
+
+
+def _load(url, headers, seconds, connections=16):
+    """requests/s and latencies: wrk where installed, else a Python client."""
+    if shutil.which("wrk"):
+        script = os.path.join(tempfile.mkdtemp(), "h.lua")
+        with open(script, "w") as f:
+            for name, value in headers.items():
+                f.write(f'wrk.headers["{name}"] = "{value}"\n')
+            f.write("done = function(summary, latency, requests)\n"
+                    "  io.write(string.format('RESULT %d %d %d %d %d\\n', summary.requests,"
+                    " summary.duration, latency:percentile(50), latency:percentile(99),"
+                    " summary.errors.status + summary.errors.connect + summary.errors.read))\n"
+                    "end\n")
+        out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", script,
+                              url], capture_output=True, text=True, check=True).stdout
+        line = [l for l in out.splitlines() if l.startswith("RESULT")][0].split()
+        requests, duration_us, p50, p99, errors = map(int, line[1:])
+        return {"rps": round(requests / (duration_us / 1e6)), "p50_ms": p50 / 1000,
+                "p99_ms": p99 / 1000, "errors": errors, "client": "wrk"}
+    import http.client
+    latencies, lock, stop = [], threading.Lock(), time.time() + seconds
+    parsed = url.split("/", 3)
+    host, port = parsed[2].split(":")
+
+    def worker():
+        conn = http.client.HTTPConnection(host, int(port))
+        mine = []
+        while time.time() < stop:
+            t = time.perf_counter()
+            conn.request("GET", "/" + parsed[3], headers=headers)
+            conn.getresponse().read()
+            mine.append(time.perf_counter() - t)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    latencies.sort()
+    return {"rps": round(len(latencies) / seconds),
+            "p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
+            "p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
+            "errors": 0, "client": "python"}
+
+
+def bench_api(args, tmp):
+    db, app, api = new_service(tmp)
+    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=1)["id"]
+    status, envelope = wsgi_call(app, "GET", f"/v1/campaign/{campaign}", headers=api.headers)
+    with open(db + ".json", "w") as f:
+        json.dump(envelope, f, separators=(",", ":"))
+    figures = {}
+    for mode in ("bare", "api"):
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-c", SERVER, mode, db, str(port), ROOT])
+        try:
+            wait_port(port)
+            url = f"http://127.0.0.1:{port}/v1/campaign/{campaign}"
+            _load(url, api.headers, 1)  # warm up
+            figures[mode] = _load(url, api.headers, args.seconds)
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    return {"rps": figures["api"]["rps"], "baseline_rps": figures["bare"]["rps"],
+            "ratio": round(figures["api"]["rps"] / figures["bare"]["rps"], 2),
+            "p50_ms": figures["api"]["p50_ms"], "p99_ms": figures["api"]["p99_ms"],
+            "baseline_p50_ms": figures["bare"]["p50_ms"],
+            "baseline_p99_ms": figures["bare"]["p99_ms"],
+            "errors": figures["api"]["errors"], "client": figures["api"]["client"]}
+
+
+BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
+           "api": bench_api}
+
+TARGETS = {
+    "import": lambda f: f["ratio"] >= 0.5 and f["rss_ratio"] <= 4,
+    "queue": lambda f: f["seconds"] <= 10 and f["ratio"] >= 0.3,
+    "deliver": lambda f: f["c1_ratio"] >= 0.8 and f["c4_ratio"] >= 1.5,
+    "api": lambda f: f["ratio"] >= 0.5,
+}
+
+
+def summary(name, f):
+    if name == "import":
+        return (f"import   {f['rows']:>9,} rows  {f['rows_per_s']:>8,} rows/s  baseline "
+                f"{f['baseline_rows_per_s']:,} rows/s  ratio {f['ratio']}  peak RSS "
+                f"{f['peak_rss_mb']} MB = {f['rss_ratio']}x upload ({f['upload_mb']} MB)")
+    if name == "queue":
+        return (f"queue    {f['recipients']:>9,} recipients  {f['seconds']} s  baseline "
+                f"{f['baseline_seconds']} s  ratio {f['ratio']}")
+    if name == "deliver":
+        return (f"deliver  {f['emails']:>9,} emails  1 conn {f['c1_per_s']}/s (ratio "
+                f"{f['c1_ratio']})  4 conns {f['c4_per_s']}/s (ratio {f['c4_ratio']})  "
+                f"baseline {f['baseline_per_s']}/s")
+    return (f"api      {f['rps']:>9,} req/s  baseline {f['baseline_rps']:,} req/s  ratio "
+            f"{f['ratio']}  p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms ({f['client']})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000,
+                        help="rows of the import and recipients of the queue benchmark")
+    parser.add_argument("--emails", type=int, default=20_000, help="emails of the deliver benchmark")
+    parser.add_argument("--seconds", type=int, default=10, help="load time of the api benchmark")
+    parser.add_argument("--only", choices=sorted(BENCHES), action="append")
+    parser.add_argument("--child", choices=sorted(BENCHES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        tmp = tempfile.mkdtemp(prefix=f"campaignapi-bench-{args.child}-")
+        try:
+            print("FIGURES " + json.dumps(BENCHES[args.child](args, tmp)), flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    results, failed = {}, False
+    for name in args.only or list(BENCHES):
+        command = [sys.executable, os.path.abspath(__file__), "--child", name,
+                   "--rows", str(args.rows), "--emails", str(args.emails),
+                   "--seconds", str(args.seconds)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [l for l in done.stdout.splitlines() if l.startswith("FIGURES ")]
+        if done.returncode or not lines:
+            print(f"{name:8} FAILED\n{done.stderr[-3000:]}", flush=True)
+            results[name] = {"error": done.stderr[-500:]}
+            failed = True
+            continue
+        figures = json.loads(lines[-1][8:])
+        figures["target_met"] = TARGETS[name](figures)
+        results[name] = figures
+        print(summary(name, figures) + ("" if figures["target_met"] else "  [below target]"),
+              flush=True)
+    print(json.dumps(results))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
