@@ -1056,9 +1056,9 @@ def recipient_values(fields, row):
 # ---------------------------------------------------------------------------
 
 def _campaign_scheduled(conn, campaign_id):
-    """1 while the campaign has a batch waiting or sending (derived, not stored)."""
+    """1 while the campaign has a batch waiting for its time (derived, not stored)."""
     return conn.execute("SELECT EXISTS (SELECT 1 FROM batch WHERE campaign = ? "
-                        "AND status IN ('scheduled', 'sending'))", (campaign_id,)).fetchone()[0]
+                        "AND status = 'scheduled')", (campaign_id,)).fetchone()[0]
 
 
 def _campaign_record(conn, row):
@@ -1134,7 +1134,181 @@ def cancel_batches(conn, campaign_id):
 # Sending: batches, process_due, archives
 # ---------------------------------------------------------------------------
 
-# (sending issue)
+def parse_timestamp(value, now=None):
+    """A send time as UTC 'YYYY-MM-DD HH:MM:SS': Unix seconds, 'YYYY-MM-DD
+    HH:MM:SS' (UTC) or ISO 8601 (with an offset; without one it is UTC).  A
+    time in the past means now."""
+    now = now or _now()
+    seconds = _as_int(value)
+    try:
+        if seconds is not None:
+            moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        elif isinstance(value, str):
+            moment = datetime.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=datetime.timezone.utc)
+        else:
+            raise ValueError
+        stamp = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):
+        raise InvalidParameter(
+            "'timestamp' must be Unix seconds, 'YYYY-MM-DD HH:MM:SS' in UTC, or ISO 8601 with "
+            "an offset.", field="timestamp") from None
+    return max(stamp, now)
+
+
+def campaign_send(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id, live=True)
+    when = parse_timestamp(call.get("timestamp"))
+    report = verify_campaign(call.conn, call.account, parent_id)
+    if report["passed"] != "1":
+        failing = [check for check in report["checks"] if not check["passed"]]
+        raise VerificationFailed(
+            f"Campaign {parent_id} fails verification: " + " ".join(
+                check["message"] for check in failing), checks=report["checks"])
+    batch = insert_record(call.conn, "batch", child_id, {
+        "campaign": parent_id, "timestamp": when, "status": "scheduled",
+        "base_url": call.base_url, "created": _now()})
+    return {"id": str(batch)}
+
+
+def _campaign_links(conn, campaign_id):
+    """The campaign's (segment, message) links, first priority first."""
+    return conn.execute("SELECT segment, message FROM campaign_message WHERE campaign = ? "
+                        "ORDER BY priority, id", (campaign_id,)).fetchall()
+
+
+def process_due(db, now=None):
+    """Make every batch that is due: queue one email per address in the outbox.
+
+    Recipients are resolved in SQL: the campaign's segments in priority order,
+    one email per address across segments and datasources (the outbox's unique
+    (batch, address) index keeps the first), unsubscribed and bounced
+    addresses skipped.  Each batch is made in one transaction, so a crash
+    leaves it to be made again whole, and the unique index means a second run
+    never queues an address twice.  Also marks sending batches whose emails
+    are all delivered as sent.
+
+    :param db: the database path (or an open connection).
+    :param now: the current time, 'YYYY-MM-DD HH:MM:SS' UTC (tests pass it).
+    :returns: the number of batches made.
+    """
+    conn = connect(db) if isinstance(db, str) else db
+    try:
+        now = now or _now()
+        made = 0
+        while True:
+            batch = conn.execute("SELECT * FROM batch WHERE status = 'scheduled' AND timestamp <= ? "
+                                 "ORDER BY timestamp, id LIMIT 1", (now,)).fetchone()
+            if batch is None:
+                break
+            with transaction(conn):
+                _make_batch(conn, batch, now)
+            made += 1
+        with transaction(conn):
+            conn.execute(
+                "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "
+                "NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.batch = batch.id "
+                "AND outbox.status IN ('queued', 'sending'))", (now,))
+        return made
+    finally:
+        if isinstance(db, str):
+            conn.close()
+
+
+def _make_batch(conn, batch, now):
+    campaign = conn.execute("SELECT * FROM campaign WHERE id = ?", (batch["campaign"],)).fetchone()
+    if campaign["deleted"] or not campaign["enabled"]:
+        conn.execute("UPDATE batch SET status = 'cancelled', finished = ? WHERE id = ?",
+                     (now, batch["id"]))
+        log.info("batch %s cancelled: campaign %s is deleted or disabled", batch["id"], campaign["id"])
+        return
+    account = campaign["owner"]
+    for link in _campaign_links(conn, campaign["id"]):
+        segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
+        where, params = segment_filter(conn, json.loads(segment["datasources"]), segment["match"],
+                                       json.loads(segment["conditions"]))
+        conn.execute(
+            "INSERT OR IGNORE INTO outbox (account, kind, batch, message, recipient, to_addr, "
+            "status, created, next_try) "
+            f"SELECT ?, 'campaign', ?, ?, r.id, r.email, 'queued', ?, ? FROM recipient r WHERE {where} "
+            "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
+            "ORDER BY r.id",
+            (account, batch["id"], link["message"], now, now, *params, account))
+        _archive_message(conn, campaign, batch, link["message"])
+    queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
+                          (batch["id"],)).fetchone()[0]
+    conn.execute("UPDATE batch SET status = 'sending', recipients = ? WHERE id = ?",
+                 (queued, batch["id"]))
+    log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
+
+
+def _archive_message(conn, campaign, batch, message_id):
+    """Keep the message as this batch sends it, and mail a copy to archiveemail.
+
+    Per-recipient merge tags stay visible as tags: the archive shows what
+    every recipient got, not one recipient's data."""
+    message = conn.execute("SELECT * FROM message WHERE id = ?", (message_id,)).fetchone()
+    inserted = conn.execute(
+        "INSERT OR IGNORE INTO batch_message (batch, message, subject, html, text) "
+        "VALUES (?, ?, ?, ?, ?)",
+        (batch["id"], message_id, message["subject"], message["html"], message["text"])).rowcount
+    if inserted and campaign["archiveemail"]:
+        enqueue_email(conn, campaign["owner"], campaign["archiveemail"],
+                      f"[archive] {message['subject']}", message["text"], kind="archive",
+                      html=message["html"])
+
+
+def _batch_record(conn, batch, with_messages=True):
+    counts = conn.execute(
+        "SELECT count(*), sum(status = 'sent'), sum(status = 'failed') FROM outbox "
+        "WHERE batch = ? AND kind = 'campaign'", (batch["id"],)).fetchone()
+    record = {"id": str(batch["id"]), "campaign": str(batch["campaign"]),
+              "timestamp": batch["timestamp"], "status": batch["status"],
+              "recipients": str(batch["recipients"]), "queued": str(counts[0]),
+              "sent": str(counts[1] or 0), "failed": str(counts[2] or 0),
+              "created": batch["created"], "finished": batch["finished"]}
+    if with_messages:
+        record["messages"] = [
+            {"message": str(m["message"]), "subject": m["subject"], "html": m["html"],
+             "text": m["text"]} for m in conn.execute(
+                "SELECT * FROM batch_message WHERE batch = ? ORDER BY message", (batch["id"],))]
+    return record
+
+
+def batcharchive_get(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id)
+    if child_id == "all":
+        limit, offset = _page(call)
+        total = call.conn.execute("SELECT count(*) FROM batch WHERE campaign = ?",
+                                  (parent_id,)).fetchone()[0]
+        rows = call.conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id "
+                                 "LIMIT ? OFFSET ?", (parent_id, limit, offset)).fetchall()
+        return _listing("batcharchive", [_batch_record(call.conn, r) for r in rows],
+                        total, limit, offset)
+    batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
+                              (child_id, parent_id)).fetchone()
+    if batch is None:
+        raise NotFound(f"Campaign {parent_id} has no batch {child_id}.")
+    return {"batcharchive": _batch_record(call.conn, batch)}
+
+
+def archive_get(call, parent_id, child_id):
+    # A campaign has one archive, whose id (archiveid) is the campaign's.
+    get_campaign(call.conn, call.account, parent_id)
+    if child_id not in (0, parent_id):
+        raise NotFound(f"Campaign {parent_id} has no archive {child_id}; its archiveid is "
+                       f"{parent_id}.")
+    batches = [_batch_record(call.conn, row, with_messages=False) for row in call.conn.execute(
+        "SELECT * FROM batch WHERE campaign = ? ORDER BY id", (parent_id,)).fetchall()]
+    unsubscribed = call.conn.execute(
+        "SELECT count(*) FROM suppression WHERE campaign = ? AND reason = 'unsubscribed'",
+        (parent_id,)).fetchone()[0]
+    return {"archive": {
+        "id": str(parent_id), "campaign": str(parent_id), "batches": batches,
+        "sent": str(sum(int(b["sent"]) for b in batches)),
+        "failed": str(sum(int(b["failed"]) for b in batches)),
+        "unsubscribed": str(unsubscribed)}}
 
 
 # ---------------------------------------------------------------------------
@@ -1231,13 +1405,16 @@ def render(template, values, *, as_html=False):
     return _MERGE_TAG.sub(fill, template or "")
 
 
-def enqueue_email(conn, account, to_addr, subject, body, kind="notification"):
+def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None):
     """Queue a ready-made email (a notification or an archive copy) in the
-    outbox; the worker delivers it.  Returns the outbox row id."""
+    outbox; the worker delivers it.  Returns the outbox row id.
+
+    :param body: the plain-text body; ``html`` an optional HTML alternative.
+    """
     return conn.execute(
-        "INSERT INTO outbox (account, kind, to_addr, subject, body, created, next_try) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (account, kind, to_addr, subject, body, _now(), _now())).lastrowid
+        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (account, kind, to_addr, subject, body, html, _now(), _now())).lastrowid
 
 
 def account_email(conn, account):
@@ -1295,7 +1472,11 @@ ROUTES = [
 
 
     # Send and archives
-
+    Route("PUT", "/campaign/{parent_id}/send/{child_id}", "create", campaign_send,
+          "timestamp:scalar!"),
+    Route("GET", "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read",
+          batcharchive_get, _PAGE),
+    Route("GET", "/campaign/{parent_id}/archive/{child_id}", "read", archive_get, ""),
 
     # Public routes (no key): downloads, unsubscribe, the OpenAPI document
 

@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS suppression (
     account INTEGER NOT NULL REFERENCES account(id),
     email   TEXT NOT NULL COLLATE NOCASE,
     reason  TEXT NOT NULL CHECK (reason IN ('unsubscribed', 'bounced')),
+    campaign INTEGER,                      -- the campaign whose email caused it, if any
     created TEXT NOT NULL DEFAULT (datetime('now')),
     PRIMARY KEY (account, email)
 ) WITHOUT ROWID;
@@ -165,7 +166,7 @@ CREATE INDEX IF NOT EXISTS accountprofile_owner ON accountprofile(owner, deleted
 -- Campaigns -------------------------------------------------------------------
 
 -- `scheduled` is not stored: a campaign is scheduled while it has a batch that
--- is 'scheduled' or 'sending'.  `archiveid` is the campaign's own id.
+-- is 'scheduled' (waiting for its time).  `archiveid` is the campaign's own id.
 CREATE TABLE IF NOT EXISTS campaign (
     id              INTEGER PRIMARY KEY,
     owner           INTEGER NOT NULL REFERENCES account(id),
@@ -226,7 +227,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     recipient   INTEGER,
     to_addr     TEXT NOT NULL COLLATE NOCASE,
     subject     TEXT,
-    body        TEXT,
+    body        TEXT,                          -- plain text
+    html        TEXT,                          -- optional HTML alternative
     status      TEXT NOT NULL DEFAULT 'queued'
                 CHECK (status IN ('queued', 'sending', 'sent', 'failed')),
     attempts    INTEGER NOT NULL DEFAULT 0,
@@ -241,3 +243,4 @@ CREATE TABLE IF NOT EXISTS outbox (
 -- after a crash.
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
+CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
