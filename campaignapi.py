@@ -1122,7 +1122,8 @@ def _campaign_record(conn, row):
             "archiveid": str(row["id"])}
 
 
-CAMPAIGN = Kind("campaign", "campaign", _campaign_record)
+CAMPAIGN = Resource("campaign", "campaign", _campaign_record,
+                    lambda call, row: _campaign_values(call))
 _CAMPAIGN_COLUMNS = ("name", "description", "enabled", "archiveemail", "defaulttemplate",
                      "thumbnail", "accountprofile")
 
@@ -1144,11 +1145,6 @@ def _campaign_values(call):
         if values.get(name) == "":
             values[name] = None
     return values
-
-
-def campaign_create(call, id):
-    values = {"owner": call.account, "created": _now(), **_campaign_values(call)}
-    return {"id": str(insert_record(call.conn, "campaign", id, values))}
 
 
 def campaign_change(call, id):
@@ -1760,7 +1756,7 @@ ROUTES = [
 
     # Campaigns
     Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE),
-    Route("PUT", "/campaign/{id}", "create", campaign_create,
+    Route("PUT", "/campaign/{id}", "create", CAMPAIGN.create,
           "name:str! accountprofile:int! description:text enabled:flag archiveemail:email "
           "defaulttemplate:str thumbnail:str"),
     Route("POST", "/campaign/{id}", "write", campaign_change,
