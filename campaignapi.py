@@ -1535,9 +1535,10 @@ def segment_filter(conn, datasources, match, conditions):
     active recipients of a segment.  Counting and sending both use it, so the
     size a client sees is the audience that is sent to.
 
-    A condition on a field that one datasource lacks is false there (and
-    ``empty`` true).  ValueError when a condition's value does not fit its
-    field's type.
+    In a datasource that lacks a condition's field, every recipient's value
+    is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
+    for a recipient without a value.  ValueError when a condition's value does
+    not fit its field's type.
     """
     if not datasources:
         return "0", ()
@@ -1554,7 +1555,7 @@ def segment_filter(conn, datasources, match, conditions):
                 column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
                 sql, args = _condition_sql(column, kind, op, value)
             else:
-                sql, args = ("1", ()) if op == "empty" else ("0", ())
+                sql, args = ("1", ()) if op in ("empty", "ne") else ("0", ())
             tests.append(sql)
             test_params.extend(args)
         joiner = " AND " if match == "all" else " OR "

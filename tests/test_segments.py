@@ -93,6 +93,11 @@ def test_an_address_in_two_datasources_counts_once(api, db, people):
     new_id = api.put("/segment/0", datasources=[people, other],
                      conditions=[{"field": "age", "op": "notempty"}])["id"]
     assert api.get(f"/segment/{new_id}")["segment"]["size"] == "4"
+    # ... and a missing value is not equal to any value, as in a datasource
+    # that has the field: ann is left out of 'people' but in through 'shop'.
+    new_id = api.put("/segment/0", datasources=[people, other],
+                     conditions=[{"field": "age", "op": "ne", "value": 34}])["id"]
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "6"
 
 
 def test_record_and_change(api, people):
