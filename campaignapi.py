@@ -870,6 +870,35 @@ def _columns(call, names):
     return {name: call.params[name] for name in names if name in call.params}
 
 
+class Resource(Kind):
+    """A Kind whose four operations are the standard ones, as route handlers.
+
+    ``values(call, row)`` turns the checked parameters into columns (``row`` is
+    the stored record on change, None on create) and refuses what does not fit.
+    """
+
+    def __init__(self, name, table, shape, values, **options):
+        super().__init__(name, table, shape, **options)
+        self.values = values
+
+    def get(self, call, id):
+        return get_record(call, self, id)
+
+    def create(self, call, id):
+        values = {"owner": call.account, "created": _now(), **self.values(call, None)}
+        return {"id": str(insert_record(call.conn, self.table, id, values))}
+
+    def change(self, call, id):
+        row = get_owned(call.conn, self, call.account, id, live=True)
+        update_record(call.conn, self.table, id, self.values(call, row))
+        return True
+
+    def delete(self, call, id):
+        if "id" in call.params:  # optional here, but must match when given
+            _same_id(call, "id", id)
+        return soft_delete(call, self, id)
+
+
 # ---------------------------------------------------------------------------
 # Datasources
 # ---------------------------------------------------------------------------
@@ -1048,7 +1077,29 @@ def recipient_values(fields, row):
 # Messages and sender profiles
 # ---------------------------------------------------------------------------
 
-# (campaign-content issue)
+#: The columns a Create or Change message takes (all optional: verify says
+#: what a message still lacks before it can be sent).
+_MESSAGE_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto", "html", "text")
+_PROFILE_COLUMNS = ("name", "fromname", "fromaddress", "replyto")
+#: Values that end up in mail headers; the ``str``/``email`` parameter types
+#: refuse line breaks, verify checks stored rows once more.
+_HEADER_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto")
+
+
+def _plain_record(columns):
+    """The record shape of a table whose record is its columns, as strings."""
+    def shape(conn, row):
+        return {"id": str(row["id"]), "owner": str(row["owner"]),
+                **{name: row[name] for name in columns},
+                "created": row["created"], "deleted": str(row["deleted"])}
+    return shape
+
+
+MESSAGE = Resource("message", "message", _plain_record(_MESSAGE_COLUMNS),
+                   lambda call, row: _columns(call, _MESSAGE_COLUMNS))
+ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record(_PROFILE_COLUMNS),
+                          lambda call, row: _columns(call, _PROFILE_COLUMNS),
+                          label="sender profile")
 
 
 # ---------------------------------------------------------------------------
@@ -1071,7 +1122,8 @@ def _campaign_record(conn, row):
             "archiveid": str(row["id"])}
 
 
-CAMPAIGN = Kind("campaign", "campaign", _campaign_record)
+CAMPAIGN = Resource("campaign", "campaign", _campaign_record,
+                    lambda call, row: _campaign_values(call))
 _CAMPAIGN_COLUMNS = ("name", "description", "enabled", "archiveemail", "defaulttemplate",
                      "thumbnail", "accountprofile")
 
@@ -1093,11 +1145,6 @@ def _campaign_values(call):
         if values.get(name) == "":
             values[name] = None
     return values
-
-
-def campaign_create(call, id):
-    values = {"owner": call.account, "created": _now(), **_campaign_values(call)}
-    return {"id": str(insert_record(call.conn, "campaign", id, values))}
 
 
 def campaign_change(call, id):
@@ -1127,7 +1174,321 @@ def cancel_batches(conn, campaign_id):
 # Campaign messages, structure, verify
 # ---------------------------------------------------------------------------
 
-# (campaign-content issue)
+_LINKS = ("SELECT cm.id, cm.campaign, cm.segment, cm.message, cm.priority, m.subject, m.name "
+          "FROM campaign_message cm JOIN message m ON m.id = cm.message ")
+#: The sending order: lower priority numbers first, then the order of linking.
+_LINK_ORDER = " ORDER BY cm.priority, cm.id"
+
+
+def _link_record(row):
+    return {"id": str(row["id"]), "campaign": str(row["campaign"]),
+            "segment": str(row["segment"]), "message": str(row["message"]),
+            "priority": str(row["priority"]), "subject": row["subject"], "name": row["name"]}
+
+
+def campaign_links(conn, campaign_id):
+    """The campaign's message links (with the message's subject and name) in
+    sending order: lower ``priority`` first, then the order they were made."""
+    return conn.execute(_LINKS + "WHERE cm.campaign = ?" + _LINK_ORDER, (campaign_id,)).fetchall()
+
+
+def _get_link(conn, campaign_id, link_id):
+    row = conn.execute(_LINKS + "WHERE cm.campaign = ? AND cm.id = ?",
+                       (campaign_id, link_id)).fetchone()
+    if row is None:
+        raise NotFound(f"Campaign {campaign_id} has no campaign message {link_id}.")
+    return row
+
+
+def _link_values(call, campaign_id, link_id=0, link=None):
+    """The checked ``segment``, ``message``, ``priority`` of a link: the segment
+    and message must be the account's and in use; a duplicate link is 409."""
+    values = _columns(call, ("segment", "message", "priority"))
+    if "segment" in values:
+        get_owned(call.conn, SEGMENT, call.account, values["segment"], live=True)
+    if "message" in values:
+        get_owned(call.conn, MESSAGE, call.account, values["message"], live=True)
+    segment = values.get("segment", link and link["segment"])
+    message = values.get("message", link and link["message"])
+    duplicate = call.conn.execute(
+        "SELECT id FROM campaign_message WHERE campaign = ? AND segment = ? AND message = ? "
+        "AND id != ?", (campaign_id, segment, message, link_id)).fetchone()
+    if duplicate:
+        raise Conflict(f"Campaign {campaign_id} already sends message {message} to segment "
+                       f"{segment} (campaign message {duplicate['id']}).")
+    return values
+
+
+def campaign_message_get(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id)
+    if child_id != "all":
+        return {"message": _link_record(_get_link(call.conn, parent_id, child_id))}
+    limit, offset = _page(call)
+    total = call.conn.execute("SELECT count(*) FROM campaign_message WHERE campaign = ?",
+                              (parent_id,)).fetchone()[0]
+    rows = call.conn.execute(_LINKS + "WHERE cm.campaign = ?" + _LINK_ORDER + " LIMIT ? OFFSET ?",
+                             (parent_id, limit, offset))
+    return _listing("message", [_link_record(row) for row in rows], total, limit, offset)
+
+
+def campaign_message_create(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id, live=True)
+    values = {"campaign": parent_id, **_link_values(call, parent_id)}
+    return {"id": str(insert_record(call.conn, "campaign_message", child_id, values))}
+
+
+def campaign_message_change(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id, live=True)
+    link = _get_link(call.conn, parent_id, child_id)
+    _same_id(call, "segmentmessageid", child_id)
+    update_record(call.conn, "campaign_message", child_id,
+                  _link_values(call, parent_id, child_id, link))
+    return True
+
+
+def campaign_message_delete(call, parent_id, child_id):
+    get_campaign(call.conn, call.account, parent_id, live=True)
+    _get_link(call.conn, parent_id, child_id)
+    _same_id(call, "segmentmessagehack", child_id)
+    call.conn.execute("DELETE FROM campaign_message WHERE id = ?", (child_id,))
+    return True
+
+
+def _whole_campaign(campaign_id, child_id, what):
+    """Structure and verify describe the whole campaign: ``{child_id}`` is 0
+    or the campaign's own id."""
+    if child_id not in (0, campaign_id):
+        raise NotFound(f"Campaign {campaign_id} has one {what}, at "
+                       f"/campaign/{campaign_id}/{what}/0.")
+
+
+def _rows_by_id(conn, table, ids):
+    """``{id: row}`` of ``table`` (a fixed name) for the given ids."""
+    return {row["id"]: row for row in conn.execute(
+        f"SELECT * FROM {table} WHERE id IN (SELECT value FROM json_each(?))",
+        (json.dumps(sorted(set(ids))),))}
+
+
+def segment_overlaps(conn, segments):
+    """``{(a, b): addresses in both}`` for every pair of the given segment rows,
+    ``(a, a)`` being a segment's size; one SQL statement over the recipients.
+
+    Each segment's addresses are collected once (UNION drops repeats), then the
+    collection is joined with itself on the address.
+    """
+    if not segments:
+        return {}
+    parts, params = [], []
+    for segment in segments:
+        where, args = segment_query(conn, segment)
+        parts.append(f"SELECT ? AS seg, lower(r.email) AS address FROM recipient r WHERE {where}")
+        params.extend([segment["id"], *args])
+    sql = (f"WITH m AS MATERIALIZED ({' UNION '.join(parts)}) "
+           "SELECT a.seg, b.seg, count(*) FROM m a JOIN m b "
+           "ON b.address = a.address AND a.seg <= b.seg GROUP BY a.seg, b.seg")
+    counts = {}
+    for a, b, shared in conn.execute(sql, params):
+        counts[a, b] = counts[b, a] = shared
+    return counts
+
+
+def campaign_structure(conn, account, campaign_id):
+    """The structure record: the campaign's segments in sending order with
+    their messages, sizes and the addresses each shares with the others.
+
+    An address in several segments receives only the message of the first.
+    """
+    get_campaign(conn, account, campaign_id)
+    entries = {}
+    for link in campaign_links(conn, campaign_id):
+        entry = entries.setdefault(link["segment"], {
+            "segment": str(link["segment"]), "priority": str(link["priority"]), "messages": []})
+        entry["messages"].append(str(link["message"]))
+    rows = _rows_by_id(conn, "segment", entries)
+    counts = segment_overlaps(conn, [rows[segment] for segment in entries])
+    segments = []
+    for segment, entry in entries.items():
+        overlap = [{"segment": str(other), "shared": str(counts.get((segment, other), 0))}
+                   for other in entries if other != segment]
+        segments.append({"segment": entry["segment"], "name": rows[segment]["name"],
+                         "priority": entry["priority"], "messages": entry["messages"],
+                         "size": str(counts.get((segment, segment), 0)), "overlap": overlap})
+    return {"id": str(campaign_id), "campaign": str(campaign_id), "segments": segments}
+
+
+def campaign_structure_get(call, parent_id, child_id):
+    _whole_campaign(parent_id, child_id, "structure")
+    return {"structure": campaign_structure(call.conn, call.account, parent_id)}
+
+
+def campaign_verify_get(call, parent_id, child_id):
+    _whole_campaign(parent_id, child_id, "verify")
+    return {"verify": verify_campaign(call.conn, call.account, parent_id)}
+
+
+def _label(kind, row):
+    return f"{kind} {row['id']} ('{row['name']}')" if row["name"] else f"{kind} {row['id']}"
+
+
+def verify_campaign(conn, account, campaign_id):
+    """Check whether campaign ``campaign_id`` can be sent; the verify record.
+
+    Every check is always listed, with ``passed`` '1' or '0' and a message
+    that says what to fix and how.  Sending refuses a campaign whose record
+    says ``passed: '0'`` (409 verification_failed, with the checks).
+
+    :param conn: a connection (see connect()).
+    :param account: the id of the account that owns the campaign (404 if not).
+    :param campaign_id: the campaign to check.
+    """
+    campaign = get_campaign(conn, account, campaign_id)
+    cid, pid = campaign_id, campaign["accountprofile"]
+    profile = conn.execute("SELECT * FROM accountprofile WHERE id = ? AND owner = ?",
+                           (pid, account)).fetchone()
+    if profile is not None and profile["deleted"]:
+        profile = None
+    links = campaign_links(conn, campaign_id)
+    messages = _rows_by_id(conn, "message", [link["message"] for link in links])
+    segments = _rows_by_id(conn, "segment", [link["segment"] for link in links])
+    checks = []
+
+    def check(name, problems, passed_message):
+        checks.append({"check": name, "passed": "0" if problems else "1",
+                       "message": " ".join(problems) if problems else passed_message})
+
+    check("campaign_enabled", [] if campaign["enabled"] else [
+        f"Campaign {cid} is disabled: enable it with POST /v1/campaign/{cid} and enabled '1'."],
+        f"Campaign {cid} is enabled.")
+    check("campaign_not_deleted", [] if not campaign["deleted"] else [
+        f"Campaign {cid} is deleted and cannot be sent any more: create a new campaign."],
+        f"Campaign {cid} is not deleted.")
+    other = f"point the campaign at another one with POST /v1/campaign/{cid} and accountprofile"
+    if profile is not None:
+        missing = []
+    elif conn.execute("SELECT 1 FROM accountprofile WHERE id = ? AND owner = ?",
+                      (pid, account)).fetchone():
+        missing = [f"Sender profile {pid} is deleted: {other}."]
+    else:
+        missing = [f"Sender profile {pid} does not exist: create it with "
+                   f"PUT /v1/accountprofile/{pid} (fromname, fromaddress) or {other}."]
+    check("sender_profile", missing, f"Sender profile {pid} exists.")
+    profile_address = profile is not None and _normalize_email(profile["fromaddress"])
+    check("sender_address", [] if profile_address else [
+        f"Sender profile {pid} has no valid from address: set fromaddress with "
+        f"POST /v1/accountprofile/{pid}." if profile is not None else
+        f"There is no sender profile {pid} to send as: the campaign needs one with a valid "
+        "fromaddress (see sender_profile)."],
+        f"Sender profile {pid} sends as {profile_address}.")
+    check("campaign_messages", [] if links else [
+        f"Campaign {cid} has no messages: link a message to a segment with "
+        f"PUT /v1/campaign/{cid}/message/0 (segment, message)."],
+        f"Campaign {cid} has {len(links)} campaign message(s).")
+    check("links_in_use", [
+        f"{_label(kind, row).capitalize()} is deleted: remove campaign message {link['id']} "
+        f"(DELETE /v1/campaign/{cid}/message/{link['id']}) or link another {kind} instead."
+        for link in links
+        for kind, row in (("message", messages[link["message"]]),
+                          ("segment", segments[link["segment"]]))
+        if row["deleted"]],
+        "No linked message or segment is deleted.")
+    check("message_subject", [
+        f"{_label('message', m).capitalize()} has no subject: set subject with "
+        f"POST /v1/message/{m['id']}." for m in messages.values() if not m["subject"].strip()],
+        "Every message has a subject.")
+    check("message_from", [
+        f"{_label('message', m).capitalize()} has no valid from address: set fromaddress on "
+        f"the message (POST /v1/message/{m['id']}) or on sender profile {pid}."
+        for m in messages.values()
+        if not (_normalize_email(m["fromaddress"]) if m["fromaddress"] else profile_address)],
+        "Every message has a valid from address (its own or the sender profile's).")
+    check("message_body", [
+        f"{_label('message', m).capitalize()} has no body: set html and/or text with "
+        f"POST /v1/message/{m['id']}." for m in messages.values()
+        if not (m["html"].strip() or m["text"].strip())],
+        "Every message has a body.")
+    check("unsubscribe_link", [
+        f"The {part} body of {_label('message', m)} has no {{{{unsubscribe_url}}}} merge tag: "
+        f"add an unsubscribe link to it, e.g. {example}."
+        for m in messages.values()
+        for part, example in (("html", '<a href="{{unsubscribe_url}}">Unsubscribe</a>'),
+                              ("text", "'Unsubscribe: {{unsubscribe_url}}'"))
+        if (m[part].strip() or not (m["html"].strip() or m["text"].strip()))
+        and "unsubscribe_url" not in merge_tags(m[part])],
+        "Every message body carries {{unsubscribe_url}}.")
+    check("merge_tags", _unknown_tags(conn, links, messages, segments),
+          "Every merge tag names email, unsubscribe_url or a field of the segment's datasources.")
+    sizes = {s["id"]: segment_size(conn, s) for s in segments.values()}
+    check("segment_recipients", [
+        f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
+        "into its datasources or loosen its conditions." for s in segments.values() if not sizes[s["id"]]],
+        "Every segment has active recipients (" + ", ".join(
+            f"segment {s}: {n}" for s, n in sizes.items()) + ").")
+    check("segment_definition", [problem for s in segments.values() for problem in _segment_problems(conn, s)],
+          "Every segment uses live datasources and fields that exist.")
+    archive = campaign["archiveemail"]
+    check("archive_email", [] if not archive or _normalize_email(archive) else [
+        f"The archive address '{archive}' of campaign {cid} is not a valid email address: "
+        f"correct it, or clear it with archiveemail '', with POST /v1/campaign/{cid}."],
+        "The archive address is empty or valid.")
+    senders = [("message", m, f"/v1/message/{m['id']}") for m in messages.values()]
+    if profile is not None:
+        senders.append(("sender profile", profile, f"/v1/accountprofile/{pid}"))
+    check("reply_to", [
+        f"The replyto '{row['replyto']}' of {_label(kind, row)} is not a valid email address: "
+        f"correct it with POST {path}." for kind, row, path in senders
+        if row["replyto"] and not _normalize_email(row["replyto"])],
+        "Every reply-to address is empty or valid.")
+    check("header_line_breaks", [
+        f"The {column} of {_label(kind, row)} holds a line break, which would break the "
+        f"email's headers: set it again on one line with POST {path}."
+        for kind, row, path in senders for column in _HEADER_COLUMNS
+        if column in row.keys() and ("\r" in row[column] or "\n" in row[column])],
+        "No header value holds a line break.")
+    passed = all(item["passed"] == "1" for item in checks)
+    return {"id": str(cid), "campaign": str(cid), "passed": "1" if passed else "0",
+            "checks": checks, "verified": _now()}
+
+
+def _unknown_tags(conn, links, messages, segments):
+    """Problems for merge tags that a message uses and the datasources of a
+    segment it is sent to lack as fields (``messages``, ``segments``: by id)."""
+    problems = []
+    for link in links:
+        message, segment = messages[link["message"]], segments[link["segment"]]
+        known = {"email", "unsubscribe_url"}
+        for datasource in json.loads(segment["datasources"]):
+            known.update(datasource_fields(conn, datasource))
+        unknown = sorted(set().union(*(merge_tags(message[part])
+                                       for part in ("subject", "html", "text"))) - known)
+        if unknown:
+            tags = ", ".join(f"{{{{{tag}}}}}" for tag in unknown)
+            problems.append(
+                f"{_label('message', message).capitalize()} uses {tags}, which no datasource of "
+                f"{_label('segment', segment)} has as a field: add the field to the datasource "
+                f"or correct the tag (POST /v1/message/{message['id']}).")
+    return problems
+
+
+def _segment_problems(conn, segment):
+    label = _label("segment", segment).capitalize()
+    fix = f"POST /v1/segment/{segment['id']}"
+    datasources = json.loads(segment["datasources"])
+    if not datasources:
+        return [f"{label} has no datasources: set datasources with {fix}."]
+    problems, fields = [], set()
+    for row in _rows_by_id(conn, "datasource", datasources).values():
+        if row["deleted"]:
+            problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
+                            f"set its datasources again with {fix}.")
+        else:
+            fields.update(datasource_fields(conn, row["id"]))
+    for condition in json.loads(segment["conditions"]):
+        name = condition["field"]
+        if name.lower() != "email" and name.lower() not in fields:
+            problems.append(f"{label} has a condition on the field '{name}', which none of its "
+                            f"datasources has (renamed or removed?): correct its conditions "
+                            f"with {fix}.")
+    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -1348,9 +1709,10 @@ def segment_filter(conn, datasources, match, conditions):
     active recipients of a segment.  Counting and sending both use it, so the
     size a client sees is the audience that is sent to.
 
-    A condition on a field that one datasource lacks is false there (and
-    ``empty`` true).  ValueError when a condition's value does not fit its
-    field's type.
+    In a datasource that lacks a condition's field, every recipient's value
+    is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
+    for a recipient without a value.  ValueError when a condition's value does
+    not fit its field's type.
     """
     if not datasources:
         return "0", ()
@@ -1367,7 +1729,7 @@ def segment_filter(conn, datasources, match, conditions):
                 column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
                 sql, args = _condition_sql(column, kind, op, value)
             else:
-                sql, args = ("1", ()) if op == "empty" else ("0", ())
+                sql, args = ("1", ()) if op in ("empty", "ne") else ("0", ())
             tests.append(sql)
             test_params.extend(args)
         joiner = " AND " if match == "all" else " OR "
@@ -1375,6 +1737,105 @@ def segment_filter(conn, datasources, match, conditions):
         parts.append(f"(r.datasource = ? AND ({test}))")
         params.extend([datasource, *test_params])
     return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
+
+
+def _checked_datasources(conn, account, given):
+    """Segment ``datasources`` as a list of ids the account owns and uses."""
+    ids = []
+    for index, item in enumerate(given):
+        datasource = _as_int(item)
+        if datasource is None:
+            raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
+                                   field="datasources")
+        get_owned(conn, DATASOURCE, account, datasource, live=True)
+        if datasource not in ids:
+            ids.append(datasource)
+    return ids
+
+
+def _checked_conditions(conn, datasources, given):
+    """Segment ``conditions`` as stored: ``[{field, op, value}]``, each naming
+    a field of the segment's datasources with a value its type takes."""
+    fields = [datasource_fields(conn, datasource) for datasource in datasources]
+    checked = []
+    for index, item in enumerate(given):
+        where = f"conditions[{index}]"
+        if not isinstance(item, dict) or set(item) - {"field", "op", "value"} \
+                or not isinstance(item.get("field"), str) or not item["field"].strip():
+            raise InvalidParameter(f"{where} must be an object with 'field', 'op' and 'value'.",
+                                   field="conditions")
+        name, op, value = item["field"].strip(), item.get("op"), item.get("value")
+        if op not in SEGMENT_OPS:
+            raise InvalidParameter(f"{where}.op must be one of {', '.join(SEGMENT_OPS)}.",
+                                   field="conditions", allowed=list(SEGMENT_OPS))
+        kinds = {"email"} if name.lower() == "email" else {
+            known[name.lower()][2] for known in fields if name.lower() in known}
+        if not kinds:
+            raise InvalidParameter(f"{where}: no datasource of this segment has a field "
+                                   f"'{name}'.", field="conditions")
+        if op in ("empty", "notempty"):
+            checked.append({"field": name, "op": op, "value": None})
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        if not isinstance(value, (str, int, float)) or str(value).strip() == "" \
+                or any(c in str(value) for c in "\r\n\x00"):
+            raise InvalidParameter(f"{where}.value must be a non-empty single-line string or "
+                                   f"number (use op 'empty' to match blank values).",
+                                   field="conditions")
+        if op not in ("contains", "startswith"):
+            for kind in sorted(kinds - {"email", "text"}):
+                try:
+                    convert_value(kind, value)
+                except ValueError as error:
+                    raise InvalidParameter(f"{where}.value does not fit the {kind} field "
+                                           f"'{name}': {error}.", field="conditions") from None
+        checked.append({"field": name, "op": op, "value": str(value)})
+    return checked
+
+
+def _segment_values(call, row):
+    values = _columns(call, ("name", "match"))
+    if "datasources" in call.params:
+        datasources = _checked_datasources(call.conn, call.account, call.params["datasources"])
+    else:
+        datasources = json.loads(row["datasources"]) if row else []
+    if row is None or "datasources" in call.params or "conditions" in call.params:
+        # Conditions are checked against the datasources they will apply to,
+        # so changing either re-checks both.
+        stored = json.loads(row["conditions"]) if row else []
+        values["datasources"] = json.dumps(datasources)
+        values["conditions"] = json.dumps(
+            _checked_conditions(call.conn, datasources, call.get("conditions", stored)))
+    return values
+
+
+def segment_query(conn, segment):
+    """``(where, params)`` over ``recipient r`` for a segment row: its active
+    recipients, in those of its datasources that are not deleted."""
+    live = [row[0] for row in conn.execute(
+        "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
+        "(SELECT value FROM json_each(?)) ORDER BY id", (segment["datasources"],))]
+    return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
+
+
+def segment_size(conn, segment):
+    """How many addresses a segment reaches: one address in two of its
+    datasources counts once.  Counted by SQLite, never loaded into Python."""
+    where, params = segment_query(conn, segment)
+    return conn.execute(f"SELECT count(DISTINCT lower(r.email)) FROM recipient r WHERE {where}",
+                        params).fetchone()[0]
+
+
+def _segment_record(conn, row):
+    return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
+            "datasources": [str(d) for d in json.loads(row["datasources"])],
+            "match": row["match"], "conditions": json.loads(row["conditions"]),
+            "size": str(segment_size(conn, row)), "created": row["created"],
+            "deleted": str(row["deleted"])}
+
+
+SEGMENT = Resource("segment", "segment", _segment_record, _segment_values)
 
 
 # ---------------------------------------------------------------------------
@@ -1442,6 +1903,16 @@ def account_email(conn, account):
 
 _PAGE = "limit:int offset:int"
 
+def _record_routes(resource, fields):
+    """Get (an id or all), Create, Change and soft Delete of a Resource;
+    Create and Change take the same ``fields``, all optional."""
+    path = f"/{resource.name}/{{id}}"
+    return (Route("GET", f"/{resource.name}/{{id:int|all}}", "read", resource.get, _PAGE),
+            Route("PUT", path, "create", resource.create, fields),
+            Route("POST", path, "write", resource.change, fields),
+            Route("DELETE", path, "delete", resource.delete, "id:int"))
+
+
 #: Every route of the API: (method, path, level, handler, parameters).
 ROUTES = [
     # Datasources
@@ -1456,11 +1927,14 @@ ROUTES = [
 
 
     # Messages, segments, sender profiles
-
+    *_record_routes(MESSAGE, "name:str subject:str fromname:str fromaddress:email "
+                             "replyto:email html:text text:text"),
+    *_record_routes(SEGMENT, "name:str datasources:list match:all|any conditions:list"),
+    *_record_routes(ACCOUNTPROFILE, "name:str fromname:str fromaddress:email replyto:email"),
 
     # Campaigns
     Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE),
-    Route("PUT", "/campaign/{id}", "create", campaign_create,
+    Route("PUT", "/campaign/{id}", "create", CAMPAIGN.create,
           "name:str! accountprofile:int! description:text enabled:flag archiveemail:email "
           "defaulttemplate:str thumbnail:str"),
     Route("POST", "/campaign/{id}", "write", campaign_change,
@@ -1469,7 +1943,16 @@ ROUTES = [
     Route("DELETE", "/campaign/{id}", "delete", campaign_delete, ""),
 
     # Campaign messages, structure, verify
-
+    Route("GET", "/campaign/{parent_id}/message/{child_id:int|all}", "read",
+          campaign_message_get, _PAGE),
+    Route("PUT", "/campaign/{parent_id}/message/{child_id}", "create", campaign_message_create,
+          "segment:int! message:int! priority:int"),
+    Route("POST", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_change,
+          "segmentmessageid:int! segment:int message:int priority:int"),
+    Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_delete,
+          "segmentmessagehack:int!"),
+    Route("GET", "/campaign/{parent_id}/structure/{child_id}", "read", campaign_structure_get),
+    Route("GET", "/campaign/{parent_id}/verify/{child_id}", "read", campaign_verify_get),
 
     # Send and archives
     Route("PUT", "/campaign/{parent_id}/send/{child_id}", "create", campaign_send,

@@ -182,12 +182,15 @@ CREATE TABLE IF NOT EXISTS campaign (
 );
 CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
 
+-- A link of a message to a segment in a campaign.  Sending goes by priority,
+-- lower numbers first, then by id; an address in several segments receives
+-- only the message of the first.
 CREATE TABLE IF NOT EXISTS campaign_message (
     id       INTEGER PRIMARY KEY,
     campaign INTEGER NOT NULL REFERENCES campaign(id),
-    segment  INTEGER NOT NULL,
-    message  INTEGER NOT NULL,
-    priority INTEGER NOT NULL DEFAULT 0,
+    segment  INTEGER NOT NULL REFERENCES segment(id),
+    message  INTEGER NOT NULL REFERENCES message(id),
+    priority INTEGER NOT NULL DEFAULT 0 CHECK (priority >= 0),
     UNIQUE (campaign, segment, message)
 );
 

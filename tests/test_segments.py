@@ -1,0 +1,179 @@
+"""Segments: datasources plus typed conditions, counted in SQL."""
+
+import json
+import sqlite3
+
+import pytest
+
+FIELDS = [{"name": "city", "type": "text"}, {"name": "age", "type": "integer"},
+          {"name": "score", "type": "number"}, {"name": "member", "type": "boolean"},
+          {"name": "joined", "type": "date"}]
+
+
+def add_recipients(db, datasource, rows, status="active"):
+    """Insert recipients straight into the database (imports are another
+    part's work): ``rows`` are ``(email, {field name: stored value})``."""
+    conn = sqlite3.connect(db)
+    try:
+        ids = {name.lower(): str(field_id) for field_id, name in conn.execute(
+            "SELECT id, name FROM field WHERE datasource = ?", (datasource,))}
+        with conn:
+            conn.executemany(
+                "INSERT INTO recipient (datasource, email, data, status) VALUES (?, ?, ?, ?)",
+                [(datasource, email, json.dumps({ids[k.lower()]: v for k, v in values.items()}),
+                  status) for email, values in rows])
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def people(api, db):
+    """A datasource of five people with typed fields; answers its id."""
+    ds = int(api.put("/datasource/0", name="people", fields=FIELDS)["id"])
+    add_recipients(db, ds, [
+        ("ann@example.com", {"city": "Berlin", "age": 34, "score": 7.5, "member": 1,
+                             "joined": "2023-01-15"}),
+        ("bob@example.com", {"city": "Bern", "age": 9, "score": 10, "member": 0,
+                             "joined": "2024-06-01"}),
+        ("cy@example.com", {"city": "berlin", "age": 10, "member": 1}),
+        ("dee@example.com", {"city": "", "age": 71}),
+        ("eve@example.com", {}),
+    ])
+    add_recipients(db, ds, [("gone@example.com", {"city": "Berlin"})], status="unsubscribed")
+    add_recipients(db, ds, [("bounce@example.com", {"city": "Berlin"})], status="bounced")
+    return ds
+
+
+def size(api, ds, conditions, match="all"):
+    new_id = api.put("/segment/0", datasources=[ds], conditions=conditions, match=match)["id"]
+    return int(api.get(f"/segment/{new_id}")["segment"]["size"])
+
+
+@pytest.mark.parametrize("field, op, value, expected", [
+    ("city", "eq", "BERLIN", 2),            # text compares without case
+    ("city", "ne", "berlin", 3),            # the blank and the missing values too
+    ("city", "contains", "er", 3),
+    ("city", "startswith", "bern", 1),
+    ("age", "gt", "9", 3),                  # numerically: 10 > 9 though '10' < '9'
+    ("age", "lt", 10, 1),
+    ("age", "eq", "71", 1),
+    ("score", "gt", "7,4", 2),              # a decimal comma is read as a number
+    ("member", "eq", "yes", 2),
+    ("member", "eq", False, 1),
+    ("joined", "lt", "2024-01-01", 1),
+    ("city", "empty", None, 2),             # '' and absent
+    ("city", "notempty", None, 3),
+    ("email", "startswith", "ANN@", 1),
+    ("email", "eq", "Eve@example.com", 1),
+])
+def test_each_operator_is_typed(api, people, field, op, value, expected):
+    condition = {"field": field, "op": op} if value is None else \
+        {"field": field, "op": op, "value": value}
+    assert size(api, people, [condition]) == expected
+
+
+def test_match_all_and_any(api, people):
+    conditions = [{"field": "city", "op": "eq", "value": "berlin"},
+                  {"field": "age", "op": "gt", "value": 30}]
+    assert size(api, people, conditions, "all") == 1     # ann
+    assert size(api, people, conditions, "any") == 3     # ann, cy, dee
+    assert size(api, people, []) == 5                    # every active recipient
+
+
+def test_an_address_in_two_datasources_counts_once(api, db, people):
+    other = int(api.put("/datasource/0", name="shop", fields=[{"name": "city"}])["id"])
+    add_recipients(db, other, [("ANN@example.com", {"city": "Berlin"}),
+                               ("zed@example.com", {"city": "Berlin"})])
+    new_id = api.put("/segment/0", datasources=[people, other],
+                     conditions=[{"field": "city", "op": "eq", "value": "berlin"}])["id"]
+    record = api.get(f"/segment/{new_id}")["segment"]
+    assert record["datasources"] == [str(people), str(other)]
+    assert record["size"] == "3"        # ann (in both), cy, zed
+    # A condition on a field only one datasource has is false in the other.
+    new_id = api.put("/segment/0", datasources=[people, other],
+                     conditions=[{"field": "age", "op": "notempty"}])["id"]
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "4"
+    # ... and a missing value is not equal to any value, as in a datasource
+    # that has the field: ann is left out of 'people' but in through 'shop'.
+    new_id = api.put("/segment/0", datasources=[people, other],
+                     conditions=[{"field": "age", "op": "ne", "value": 34}])["id"]
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "6"
+
+
+def test_record_and_change(api, people):
+    new_id = api.put("/segment/0", name="Berliners", datasources=[people, str(people)],
+                     conditions=[{"field": "City", "op": "eq", "value": 7}])["id"]
+    record = api.get(f"/segment/{new_id}")["segment"]
+    assert record["datasources"] == [str(people)]
+    assert record["conditions"] == [{"field": "City", "op": "eq", "value": "7"}]
+    assert (record["name"], record["match"], record["size"]) == ("Berliners", "all", "0")
+    api.post(f"/segment/{new_id}", conditions=[{"field": "city", "op": "eq", "value": "bern"}])
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "1"
+    api.post(f"/segment/{new_id}", match="any", name="B")
+    record = api.get(f"/segment/{new_id}")["segment"]
+    assert (record["name"], record["match"], record["size"]) == ("B", "any", "1")
+    assert api.get("/segment/all")["segment"][0]["id"] == new_id
+
+
+@pytest.mark.parametrize("conditions, words", [
+    ([{"field": "age", "op": "like", "value": "1"}], "op must be one of"),
+    ([{"field": "age", "op": "gt"}], "value must be"),
+    ([{"field": "age", "op": "eq", "value": ""}], "use op 'empty'"),
+    ([{"field": "age", "op": "eq", "value": ["1"]}], "value must be"),
+    ([{"field": "age", "op": "gt", "value": "old"}], "does not fit the integer field 'age'"),
+    ([{"field": "joined", "op": "lt", "value": "yesterday"}], "date"),
+    ([{"field": "member", "op": "eq", "value": "maybe"}], "yes/no"),
+    ([{"field": "height", "op": "gt", "value": "1"}], "no datasource of this segment"),
+    ([{"field": "age", "op": "gt", "value": "1", "extra": 1}], "must be an object"),
+    (["age > 1"], "must be an object"),
+])
+def test_bad_conditions_are_refused(api, people, conditions, words):
+    error = api.put("/segment/0", status=400, datasources=[people], conditions=conditions)
+    assert error["field"] == "conditions" and words in error["message"]
+    assert "conditions[0]" in error["message"]
+
+
+def test_conditions_are_checked_against_new_datasources(api, people):
+    other = api.put("/datasource/0", name="plain")["id"]
+    new_id = api.put("/segment/0", datasources=[people],
+                     conditions=[{"field": "age", "op": "gt", "value": "1"}])["id"]
+    error = api.post(f"/segment/{new_id}", status=400, datasources=[other])
+    assert "'age'" in error["message"]
+    api.post(f"/segment/{new_id}", datasources=[other], conditions=[])
+
+
+def test_datasources_are_checked(api, stranger_api, people):
+    foreign = stranger_api.put("/datasource/0", name="theirs")["id"]
+    assert api.put("/segment/0", status=404, datasources=[foreign])["error"] == "not_found"
+    assert api.put("/segment/0", status=400, datasources=["one"])["field"] == "datasources"
+    assert api.put("/segment/0", status=400, datasources="1")["field"] == "datasources"
+    assert api.put("/segment/0", status=400, match="some")["allowed"] == ["all", "any"]
+    gone = api.put("/datasource/0", name="old")["id"]
+    api.delete(f"/datasource/{gone}", id=int(gone))
+    assert api.put("/segment/0", status=409, datasources=[gone])["error"] == "conflict"
+
+
+def test_size_leaves_out_deleted_datasources(api, people):
+    new_id = api.put("/segment/0", datasources=[people])["id"]
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "5"
+    api.delete(f"/datasource/{people}", id=people)
+    assert api.get(f"/segment/{new_id}")["segment"]["size"] == "0"
+
+
+def test_request_text_never_becomes_sql(api, people, db):
+    value = "x'); DROP TABLE recipient; --"
+    assert size(api, people, [{"field": "city", "op": "contains", "value": value}]) == 0
+    assert size(api, people, [{"field": "city", "op": "eq", "value": "%"}]) == 0
+    assert size(api, people, [{"field": "city", "op": "startswith", "value": "_"}]) == 0
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT count(*) FROM recipient").fetchone()[0] == 7
+    conn.close()
+
+
+def test_segment_soft_delete_and_ownership(api, stranger_api, people):
+    new_id = api.put("/segment/0", datasources=[people])["id"]
+    stranger_api.get(f"/segment/{new_id}", status=404)
+    stranger_api.post(f"/segment/{new_id}", status=404, name="x")
+    api.delete(f"/segment/{new_id}")
+    assert api.get(f"/segment/{new_id}")["segment"]["deleted"] == "1"
+    api.post(f"/segment/{new_id}", status=409, name="x")
