@@ -1533,12 +1533,6 @@ def campaign_send(call, parent_id, child_id):
     return {"id": str(batch)}
 
 
-def _campaign_links(conn, campaign_id):
-    """The campaign's (segment, message) links, first priority first."""
-    return conn.execute("SELECT segment, message FROM campaign_message WHERE campaign = ? "
-                        "ORDER BY priority, id", (campaign_id,)).fetchall()
-
-
 def process_due(db, now=None):
     """Make every batch that is due: queue one email per address in the outbox.
 
@@ -1585,10 +1579,9 @@ def _make_batch(conn, batch, now):
         log.info("batch %s cancelled: campaign %s is deleted or disabled", batch["id"], campaign["id"])
         return
     account = campaign["owner"]
-    for link in _campaign_links(conn, campaign["id"]):
+    for link in campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
-        where, params = segment_filter(conn, json.loads(segment["datasources"]), segment["match"],
-                                       json.loads(segment["conditions"]))
+        where, params = segment_query(conn, segment)
         conn.execute(
             "INSERT OR IGNORE INTO outbox (account, kind, batch, message, recipient, to_addr, "
             "status, created, next_try) "
