@@ -569,6 +569,9 @@ def _read_body(environ, limit):
     return b""
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _read_params(route, environ, limit):
     """Parameters from the query string and the JSON body (body keys win)."""
     given = {}
@@ -590,6 +593,14 @@ def _read_params(route, environ, limit):
             document = json.loads(body)
         except (ValueError, RecursionError):
             raise InvalidJson("The request body is not valid JSON.") from None
+        if _SURROGATE_ESCAPE.search(body):
+            # A \uD800-\uDFFF escape that is not half of a pair decodes to a
+            # lone surrogate, which SQLite and UTF-8 output cannot hold.
+            try:
+                json.dumps(document, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidJson("The request body holds a \\u escape that is not a valid "
+                                  "character (a lone surrogate).") from None
         del body
         if not isinstance(document, dict):
             raise InvalidJson("The request body must be a JSON object of parameters.")
