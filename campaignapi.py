@@ -931,6 +931,7 @@ def _add_fields(conn, datasource, fields):
         if name.lower() not in existing:
             conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
                          (datasource, name, kind))
+            existing[name.lower()] = kind  # create lists 'email' itself and may repeat it
         elif existing[name.lower()] != kind:
             raise Conflict(f"The field '{name}' exists with type {existing[name.lower()]}; "
                            "change its type with the modify operation.", field="fields")
@@ -1343,7 +1344,10 @@ def _cmd_serve(args):
     conn = connect(args.db)
     try:
         if conn.execute("SELECT count(*) FROM account").fetchone()[0] == 0:
-            secret = create_key(args.db, args.email, name="first key")
+            try:
+                secret = create_key(args.db, args.email, name="first key")
+            except ValueError as error:
+                sys.exit(f"error: {error}")
             print(f"New database {args.db}: account {args.email} with a full-access API key.")
             print("Keep this secret; it is shown only once:")
             print(secret)
@@ -1390,8 +1394,11 @@ def main(argv=None):
     serve.add_argument("--public-url", default="",
                        help="base URL for links in emails (default http://HOST:PORT)")
     serve.add_argument("--threads", type=int, default=8)
-    serve.add_argument("--email", default="admin@localhost",
-                       help="account address used when the database is new")
+    # A reserved domain (RFC 2606): notifications go nowhere until the holder
+    # starts the first time with --email, which is what a real install does.
+    serve.add_argument("--email", default="admin@example.com",
+                       help="account address used when the database is new "
+                            "(where import and export notifications go)")
     serve.set_defaults(func=_cmd_serve)
 
     key = commands.add_parser("key", help="issue, list and revoke API keys")
