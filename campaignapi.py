@@ -495,6 +495,8 @@ class Route:
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
+        # What bottle's <name> matches, for telling 405 from 404 ourselves.
+        self.pattern = re.compile(re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape("/v1" + path)))
 
     def parse_ids(self, raw):
         ids = {}
@@ -700,6 +702,7 @@ class Service:
     def __init__(self, db, config):
         self.db, self.config = db, config
         self.app = None
+        self.routes = ()  # the Route rows this app serves
         self._local = threading.local()
         self._secret = None
 
@@ -758,15 +761,35 @@ class Service:
             log.info("%s %s %s %s %.1fms", response_id, request.method, request.path, status,
                      (time.perf_counter() - started) * 1000)
 
-    def bottle_error(self, error):
-        """Bottle's own errors (no such route, wrong method) as envelopes."""
+    def unrouted(self):
+        """The error for a request that no route takes: 404, or 405 with Allow."""
+        request = bottle.request
+        path = request.path
+        prefix = self.app.config.get("_mount.prefix") or ""
+        if prefix and path.startswith(prefix):  # mounted: the parent routes the full path
+            path = path[len(prefix) - 1:]
+        allowed = sorted({route.method for route in self.routes if route.pattern.fullmatch(path)})
+        if not allowed:
+            return NotFound(f"There is no route {request.method} {request.path}.")
+        error = MethodNotAllowed(f"{request.method} is not allowed here; allowed: "
+                                 f"{', '.join(allowed)}.", allowed=allowed)
+        error.headers = {"Allow": ", ".join(allowed)}
+        return error
+
+    def no_route(self, path=""):
+        """The catch-all route: our envelope even where bottle's error handler
+        is not ours (Bottle.mount merges these routes into the parent app)."""
         response_id = _new_response_id()
-        if error.status_code == 404:
-            api_error = NotFound(f"There is no route {bottle.request.method} {bottle.request.path}.")
-        elif error.status_code == 405:
-            api_error = MethodNotAllowed(
-                f"{bottle.request.method} is not allowed here; allowed: {error.headers.get('Allow', '')}.")
-            api_error.headers = {"Allow": error.headers.get("Allow", "")}
+        error = self.unrouted()
+        log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
+                 error.status)
+        return _error_response(response_id, error)
+
+    def bottle_error(self, error):
+        """Bottle's own errors as envelopes."""
+        response_id = _new_response_id()
+        if error.status_code in (404, 405):
+            api_error = self.unrouted()
         elif error.status_code == 413:
             api_error = PayloadTooLarge("The request body is too large.")
         elif error.status_code >= 500:
@@ -1328,10 +1351,14 @@ def create_app(db="campaignapi.db", **config):
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
-    for route in ROUTES:
+    service.routes = list(ROUTES)
+    for route in service.routes:
         app.route(route.rule, route.method,
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
+    # Last, so that every real route matches first.
+    for rule in ("/", "/<path:path>"):
+        app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
     return app
 
 

@@ -400,3 +400,54 @@ def test_pagination_limits(api):
     for bad in (0, 1001, -1, "x"):
         assert api.get("/datasource/all", status=400, limit=bad)["field"] == "limit"
     assert api.get("/datasource/all", status=400, offset=-1)["field"] == "offset"
+
+
+# --- embedding -------------------------------------------------------------------------------
+
+def _base_url_route(monkeypatch):
+    route = campaignapi.Route("GET", "/test/base", "read", lambda call: {"url": call.base_url})
+    monkeypatch.setattr(campaignapi, "ROUTES", campaignapi.ROUTES + [route])
+
+
+def test_mounted_under_a_prefix(monkeypatch, db, make_key):
+    import bottle
+
+    _base_url_route(monkeypatch)
+    parent = bottle.Bottle()
+    parent.route("/hello", callback=lambda: "parent page")
+    parent.mount("/email/", campaignapi.create_app(db))
+    client = webtest.TestApp(parent)
+    headers = make_key()
+    assert client.get("/hello").text == "parent page"
+    response = client.put_json("/email/v1/campaign/0", {"name": "x", "accountprofile": 1},
+                               headers=headers)
+    assert assert_envelope(response, True, 200) == {"id": "1"}
+    assert client.get("/email/v1/test/base", headers=headers).json["data"]["url"] == \
+        "http://localhost:80/email"
+    # Bottle merges a mounted app's routes into the parent: our 404 and 405
+    # still answer the envelope under the prefix.
+    assert_error(client.get("/email/v1/nothing", expect_errors=True), 404, "not_found")
+    assert_error(client.get("/email/", expect_errors=True), 404, "not_found")
+    response = client.request("/email/v1/campaign/1", method="PATCH", expect_errors=True)
+    assert_error(response, 405, "method_not_allowed")
+    assert "POST" in response.headers["Allow"]
+
+
+def test_plain_wsgi_mount_and_public_url(monkeypatch, db, make_key):
+    _base_url_route(monkeypatch)
+    inner = campaignapi.create_app(db)
+
+    def host(environ, start_response):      # any WSGI host: /api is the script name
+        path = environ["PATH_INFO"]
+        assert path.startswith("/api/")
+        environ = {**environ, "SCRIPT_NAME": "/api", "PATH_INFO": path[len("/api"):]}
+        return inner(environ, start_response)
+
+    client = webtest.TestApp(host)
+    headers = make_key()
+    assert client.get("/api/v1/test/base", headers=headers).json["data"]["url"] == \
+        "http://localhost:80/api"
+    assert_error(client.get("/api/v1/nothing", expect_errors=True), 404, "not_found")
+    public = webtest.TestApp(campaignapi.create_app(db, public_url="https://mail.example.com/x/"))
+    assert public.get("/v1/test/base", headers=headers).json["data"]["url"] == \
+        "https://mail.example.com/x"
