@@ -204,7 +204,11 @@ def _schema_path():
     for name in ("schema.sql", "campaignapi.schema.sql"):
         if os.path.exists(os.path.join(here, name)):
             return os.path.join(here, name)
-    for file in importlib.metadata.files("campaignapi") or ():
+    try:
+        installed = importlib.metadata.files("campaignapi") or ()
+    except importlib.metadata.PackageNotFoundError:  # a copied module, not installed
+        installed = ()
+    for file in installed:
         if file.name.endswith("schema.sql"):
             return str(file.locate())
     raise RuntimeError("campaignapi: schema.sql is not installed beside campaignapi.py")

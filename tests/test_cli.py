@@ -210,3 +210,4 @@ def test_serve_refuses_a_bad_first_account_address(tmp_path):
     assert result.returncode != 0
     assert "error" in result.stderr and "Traceback" not in result.stderr
     assert not SECRET_LINE.search(result.stdout)
+
