@@ -204,7 +204,11 @@ def _schema_path():
     for name in ("schema.sql", "campaignapi.schema.sql"):
         if os.path.exists(os.path.join(here, name)):
             return os.path.join(here, name)
-    for file in importlib.metadata.files("campaignapi") or ():
+    try:
+        installed = importlib.metadata.files("campaignapi") or ()
+    except importlib.metadata.PackageNotFoundError:  # a copied module, not installed
+        installed = ()
+    for file in installed:
         if file.name.endswith("schema.sql"):
             return str(file.locate())
     raise RuntimeError("campaignapi: schema.sql is not installed beside campaignapi.py")
@@ -495,6 +499,8 @@ class Route:
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
+        # What bottle's <name> matches, for telling 405 from 404 ourselves.
+        self.pattern = re.compile(re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape("/v1" + path)))
 
     def parse_ids(self, raw):
         ids = {}
@@ -569,6 +575,9 @@ def _read_body(environ, limit):
     return b""
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _read_params(route, environ, limit):
     """Parameters from the query string and the JSON body (body keys win)."""
     given = {}
@@ -590,6 +599,14 @@ def _read_params(route, environ, limit):
             document = json.loads(body)
         except (ValueError, RecursionError):
             raise InvalidJson("The request body is not valid JSON.") from None
+        if _SURROGATE_ESCAPE.search(body):
+            # A \uD800-\uDFFF escape that is not half of a pair decodes to a
+            # lone surrogate, which SQLite and UTF-8 output cannot hold.
+            try:
+                json.dumps(document, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidJson("The request body holds a \\u escape that is not a valid "
+                                  "character (a lone surrogate).") from None
         del body
         if not isinstance(document, dict):
             raise InvalidJson("The request body must be a JSON object of parameters.")
@@ -689,6 +706,7 @@ class Service:
     def __init__(self, db, config):
         self.db, self.config = db, config
         self.app = None
+        self.routes = ()  # the Route rows this app serves
         self._local = threading.local()
         self._secret = None
 
@@ -747,15 +765,35 @@ class Service:
             log.info("%s %s %s %s %.1fms", response_id, request.method, request.path, status,
                      (time.perf_counter() - started) * 1000)
 
-    def bottle_error(self, error):
-        """Bottle's own errors (no such route, wrong method) as envelopes."""
+    def unrouted(self):
+        """The error for a request that no route takes: 404, or 405 with Allow."""
+        request = bottle.request
+        path = request.path
+        prefix = self.app.config.get("_mount.prefix") or ""
+        if prefix and path.startswith(prefix):  # mounted: the parent routes the full path
+            path = path[len(prefix) - 1:]
+        allowed = sorted({route.method for route in self.routes if route.pattern.fullmatch(path)})
+        if not allowed:
+            return NotFound(f"There is no route {request.method} {request.path}.")
+        error = MethodNotAllowed(f"{request.method} is not allowed here; allowed: "
+                                 f"{', '.join(allowed)}.", allowed=allowed)
+        error.headers = {"Allow": ", ".join(allowed)}
+        return error
+
+    def no_route(self, path=""):
+        """The catch-all route: our envelope even where bottle's error handler
+        is not ours (Bottle.mount merges these routes into the parent app)."""
         response_id = _new_response_id()
-        if error.status_code == 404:
-            api_error = NotFound(f"There is no route {bottle.request.method} {bottle.request.path}.")
-        elif error.status_code == 405:
-            api_error = MethodNotAllowed(
-                f"{bottle.request.method} is not allowed here; allowed: {error.headers.get('Allow', '')}.")
-            api_error.headers = {"Allow": error.headers.get("Allow", "")}
+        error = self.unrouted()
+        log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
+                 error.status)
+        return _error_response(response_id, error)
+
+    def bottle_error(self, error):
+        """Bottle's own errors as envelopes."""
+        response_id = _new_response_id()
+        if error.status_code in (404, 405):
+            api_error = self.unrouted()
         elif error.status_code == 413:
             api_error = PayloadTooLarge("The request body is too large.")
         elif error.status_code >= 500:
@@ -949,6 +987,7 @@ def _add_fields(conn, datasource, fields):
         if name.lower() not in existing:
             conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
                          (datasource, name, kind))
+            existing[name.lower()] = kind  # create lists 'email' itself and may repeat it
         elif existing[name.lower()] != kind:
             raise Conflict(f"The field '{name}' exists with type {existing[name.lower()]}; "
                            "change its type with the modify operation.", field="fields")
@@ -1973,10 +2012,14 @@ def create_app(db="campaignapi.db", **config):
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
-    for route in ROUTES:
+    service.routes = list(ROUTES)
+    for route in service.routes:
         app.route(route.rule, route.method,
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
+    # Last, so that every real route matches first.
+    for rule in ("/", "/<path:path>"):
+        app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
     return app
 
 
@@ -1989,7 +2032,10 @@ def _cmd_serve(args):
     conn = connect(args.db)
     try:
         if conn.execute("SELECT count(*) FROM account").fetchone()[0] == 0:
-            secret = create_key(args.db, args.email, name="first key")
+            try:
+                secret = create_key(args.db, args.email, name="first key")
+            except ValueError as error:
+                sys.exit(f"error: {error}")
             print(f"New database {args.db}: account {args.email} with a full-access API key.")
             print("Keep this secret; it is shown only once:")
             print(secret)
@@ -2036,8 +2082,11 @@ def main(argv=None):
     serve.add_argument("--public-url", default="",
                        help="base URL for links in emails (default http://HOST:PORT)")
     serve.add_argument("--threads", type=int, default=8)
-    serve.add_argument("--email", default="admin@localhost",
-                       help="account address used when the database is new")
+    # A reserved domain (RFC 2606): notifications go nowhere until the holder
+    # starts the first time with --email, which is what a real install does.
+    serve.add_argument("--email", default="admin@example.com",
+                       help="account address used when the database is new "
+                            "(where import and export notifications go)")
     serve.set_defaults(func=_cmd_serve)
 
     key = commands.add_parser("key", help="issue, list and revoke API keys")
