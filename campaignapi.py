@@ -1682,7 +1682,7 @@ def main(argv=None):
     serve.add_argument("--public-url", default="",
                        help="base URL for links in emails (default http://HOST:PORT)")
     serve.add_argument("--threads", type=int, default=8)
-    serve.add_argument("--email", default="admin@localhost",
+    serve.add_argument("--email", default="admin@localhost.localdomain",
                        help="account address used when the database is new")
     serve.set_defaults(func=_cmd_serve)
 

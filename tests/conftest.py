@@ -106,6 +106,12 @@ def serving(wsgi_app, threads=4):
 
 
 @pytest.fixture
+def serve():
+    """``with serve(wsgi_app) as url:`` runs any WSGI app under waitress."""
+    return serving
+
+
+@pytest.fixture
 def live_server(app):
     """The ``app`` fixture served by waitress: its base URL."""
     with serving(app) as url:
