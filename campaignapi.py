@@ -1364,23 +1364,37 @@ _QUERY_TYPES = {
 }
 
 _BODY_TYPES = {
-    "str": {"type": "string", "description": "one line"},
-    "text": {"type": "string"},
+    "str": {"type": "string", "pattern": "^[^\\r\\n\\x00]*$", "description": "one line"},
+    "text": {"type": "string", "pattern": "^[^\\x00]*$"},
     "int": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
                       {"type": "string", "pattern": "^[0-9]{1,19}$"}]},
     "flag": {"enum": ["0", "1", 0, 1, True, False, "true", "false"]},
-    "email": {"type": "string", "description": "an email address, or '' for none"},
+    "email": {"anyOf": [{"const": ""}, {"type": "string", "format": "email"}],
+              "description": "an email address, or '' for none"},
     "list": {"type": "array"},
     "scalar": {"type": ["string", "number"]},
 }
+
+
+#: Bounds of the page parameters that every listing shares (_page()).
+_PAGE_BOUNDS = {"limit": {"minimum": 1, "maximum": PAGE_MAX, "default": PAGE_DEFAULT},
+                "offset": {"minimum": 0, "default": 0}}
 
 
 def _param_schema(param, in_query=False):
     if param.choices is not None:
         return {"type": "string", "enum": list(param.choices)}
     if in_query and param.type in _QUERY_TYPES:
-        return dict(_QUERY_TYPES[param.type])
-    return dict(_BODY_TYPES.get(param.type, {}))
+        schema = dict(_QUERY_TYPES[param.type])
+    else:
+        schema = dict(_BODY_TYPES.get(param.type, {}))
+    if param.type == "int" and param.name in _PAGE_BOUNDS:
+        if "oneOf" in schema:
+            schema = {"oneOf": [{**schema["oneOf"][0], **_PAGE_BOUNDS[param.name]},
+                                schema["oneOf"][1]]}
+        else:
+            schema.update(_PAGE_BOUNDS[param.name])
+    return schema
 
 
 def _id_parameter(name, allowed):
@@ -1467,8 +1481,8 @@ def _operation(route):
         if required:
             body["required"] = required
         operation["requestBody"] = {
-            "required": False,
-            "description": "Required parameters may come in the query string instead.",
+            "required": bool(required),
+            "description": "Parameters may come in the query string instead.",
             "content": {"application/json": {"schema": body}}}
     if isinstance(route.answers, dict) and "content" in route.answers:
         success = route.answers
