@@ -488,12 +488,21 @@ class Route:
     ``path`` holds placeholders ``{name}`` (an integer id) or ``{name:sel|sel}``
     listing what the placeholder accepts: ``int``, ``all``, ``import``, or
     ``name`` (any single path segment, e.g. a field name).
+
+    ``summary`` titles the operation in the OpenAPI document; ``answers``
+    describes its success data there: a record kind's name, a JSON schema of
+    ``data``, or a whole OpenAPI response object (with ``content``) for a
+    route that answers something other than the envelope.
     """
 
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
-    def __init__(self, method, path, level, handler, params="", writes=None):
+    def __init__(self, method, path, level, handler, params="", writes=None, summary=None,
+                 answers=None):
         self.method, self.path, self.level, self.handler = method, path, level, handler
+        # For the OpenAPI document only: a one-line title, and what ``data``
+        # holds on success (see openapi_document()).
+        self.summary, self.answers = summary, answers
         self.params = {p.name: p for p in map(Param, params.split())}
         self.writes = method != "GET" if writes is None else writes
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
@@ -696,6 +705,15 @@ def _error_response(response_id, error):
     return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
 
 
+def _loggable_path(path, raw_ids):
+    """The request path for the log, with token placeholders (download and
+    unsubscribe links, which work without a key) blanked: no secrets in logs."""
+    for name, value in raw_ids.items():
+        if "token" in name and value:
+            path = path.replace(value, "***")
+    return path
+
+
 def _new_response_id():
     return uuid.uuid4().hex
 
@@ -762,7 +780,8 @@ class Service:
             return _error_response(response_id, ApiError(
                 f"Something went wrong on our side; quote responseId {response_id} when reporting it."))
         finally:
-            log.info("%s %s %s %s %.1fms", response_id, request.method, request.path, status,
+            log.info("%s %s %s %s %.1fms", response_id, request.method,
+                     _loggable_path(request.path, raw_ids), status,
                      (time.perf_counter() - started) * 1000)
 
     def unrouted(self):
@@ -1926,7 +1945,296 @@ def account_email(conn, account):
 # OpenAPI
 # ---------------------------------------------------------------------------
 
-# (ecosystem issue)
+_STRING_OR_NULL = {"type": ["string", "null"]}
+_FLAG_ANSWER = {"enum": ["0", "1"]}
+_ID_LIST = {"type": "array", "items": {"type": "string"}}
+
+
+def _record_schema(names, /, **special):
+    """A record as the contract answers it: every field of ``names`` present,
+    each a string or null unless ``special`` gives its schema."""
+    names = names.split()
+    return {"type": "object", "required": names,
+            "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
+
+
+#: The records of the contract (API.md sections 4-7) as JSON schemas, by kind.
+RECORD_SCHEMAS = {
+    "datasource": _record_schema(
+        "id owner name description origin fields recipients created deleted",
+        origin={"enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
+        fields={"type": "array", "items": _record_schema(
+            "id name type", type={"enum": list(FIELD_TYPES)})}),
+    "recipient": _record_schema(
+        "id datasource email fields status created updated",
+        fields={"type": "object", "additionalProperties": _STRING_OR_NULL},
+        status={"enum": ["active", "unsubscribed", "bounced"]}),
+    "field": _record_schema("id name type", type={"enum": list(FIELD_TYPES)}),
+    "import": _record_schema(
+        "id datasource name originalfile uploadtype status rows inserted updated skipped "
+        "errors created finished",
+        errors={"type": "array", "items": {"type": "object", "properties": {
+            "row": _STRING_OR_NULL, "error": {"type": "string"}}}}),
+    "export": _record_schema("id datasource status rows url expires created finished"),
+    "organize": _record_schema("id item folder sortorder"),
+    "message": _record_schema(
+        "id owner name subject fromname fromaddress replyto html text created deleted",
+        deleted=_FLAG_ANSWER),
+    "segment": _record_schema(
+        "id owner name datasources match conditions size created deleted",
+        datasources=_ID_LIST, match={"enum": ["all", "any"]}, deleted=_FLAG_ANSWER,
+        conditions={"type": "array", "items": {"type": "object", "required": ["field", "op"],
+                                               "properties": {"field": {"type": "string"},
+                                                              "op": {"type": "string"},
+                                                              "value": {}}}}),
+    "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
+    "campaign": _record_schema(
+        "id owner accountprofile name description enabled scheduled archiveemail "
+        "defaulttemplate created deleted thumbnail archiveid",
+        enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
+    "campaignmessage": _record_schema("id campaign segment message priority subject name"),
+    "structure": _record_schema(
+        "id campaign segments",
+        segments={"type": "array", "items": {"type": "object", "properties": {
+            "segment": {"type": "string"}, "name": _STRING_OR_NULL,
+            "priority": {"type": "string"}, "messages": _ID_LIST,
+            "size": {"type": "string"}, "overlap": {}}}}),
+    "verify": _record_schema(
+        "id campaign passed checks verified", passed=_FLAG_ANSWER,
+        checks={"type": "array", "items": {"type": "object", "properties": {
+            "check": {"type": "string"}, "passed": {}, "message": {"type": "string"}}}}),
+    "batcharchive": _record_schema(
+        "id campaign timestamp status recipients queued sent failed messages",
+        status={"enum": ["scheduled", "sending", "sent", "cancelled"]},
+        messages={"type": "array", "items": {"type": "object"}}),
+    "archive": _record_schema("id campaign batches sent failed unsubscribed",
+                              batches={"type": "array", "items": {"type": "object"}}),
+}
+
+#: Success data of a create: the new record's id.
+ANSWER_ID = {"type": "object", "required": ["id"],
+             "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
+#: Success data of a change or a delete.
+ANSWER_DONE = {"const": True}
+
+
+def records_answer(key, kind):
+    """Success data that lists records of ``kind`` under ``key`` for one id as
+    for ``all`` (the spec's ``emt_campaign``); pages add total, limit, offset."""
+    return {"type": "object", "required": [key], "properties": {
+        key: {"type": "array", "items": {"$ref": f"#/components/schemas/{kind}"}},
+        **{name: {"type": "string"} for name in ("total", "limit", "offset")}}}
+
+
+_OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
+
+_QUERY_TYPES = {
+    "int": {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+    "flag": {"enum": ["0", "1", "true", "false"]},
+}
+
+_BODY_TYPES = {
+    "str": {"type": "string", "pattern": "^[^\\r\\n\\x00]*$", "description": "one line"},
+    "text": {"type": "string", "pattern": "^[^\\x00]*$"},
+    "int": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                      {"type": "string", "pattern": "^[0-9]{1,19}$"}]},
+    "flag": {"enum": ["0", "1", 0, 1, True, False, "true", "false"]},
+    "email": {"anyOf": [{"const": ""}, {"type": "string", "format": "email"}],
+              "description": "an email address, or '' for none"},
+    "list": {"type": "array"},
+    "scalar": {"type": ["string", "number"]},
+}
+
+
+#: Bounds of the page parameters that every listing shares (_page()).
+_PAGE_BOUNDS = {"limit": {"minimum": 1, "maximum": PAGE_MAX, "default": PAGE_DEFAULT},
+                "offset": {"minimum": 0, "default": 0}}
+
+
+def _param_schema(param, in_query=False):
+    if param.choices is not None:
+        return {"type": "string", "enum": list(param.choices)}
+    if in_query and param.type in _QUERY_TYPES:
+        schema = dict(_QUERY_TYPES[param.type])
+    else:
+        schema = dict(_BODY_TYPES.get(param.type, {}))
+    if param.type == "int" and param.name in _PAGE_BOUNDS:
+        if "oneOf" in schema:
+            schema = {"oneOf": [{**schema["oneOf"][0], **_PAGE_BOUNDS[param.name]},
+                                schema["oneOf"][1]]}
+        else:
+            schema.update(_PAGE_BOUNDS[param.name])
+    return schema
+
+
+def _id_parameter(name, allowed):
+    """A path placeholder as an OpenAPI parameter: what its segment accepts."""
+    if "name" in allowed:
+        schema, text = {"type": "string", "minLength": 1}, "an id or a name"
+    else:
+        words = [word for word in allowed if word != "int"]
+        choices = (["[0-9]{1,19}"] if "int" in allowed else []) + [re.escape(w) for w in words]
+        schema = {"type": "string", "pattern": "^(" + "|".join(choices) + ")$"}
+        text = " or ".join((["an integer id"] if "int" in allowed else [])
+                           + [f"'{word}'" for word in words])
+    return {"name": name, "in": "path", "required": True, "schema": schema,
+            "description": text}
+
+
+def _error_codes():
+    """``{status: [codes]}`` of every ApiError class: the contract's section 2."""
+    codes, classes = {}, [ApiError]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        codes.setdefault(cls.status, set()).add(cls.code)
+    return {status: sorted(found) for status, found in sorted(codes.items())}
+
+
+def _route_statuses(route):
+    """The error statuses a route can answer, from what the pipeline does for it."""
+    statuses = {400, 413, 415, 500}     # parameters and body are read on every route
+    if route.level:
+        statuses |= {401, 403}
+    if route.ids:
+        statuses.add(404)
+    if route.writes:
+        statuses |= {409, 422}
+    return sorted(statuses)
+
+
+def _success_data(route):
+    """The JSON schema of ``data`` when ``route`` succeeds."""
+    answers = route.answers
+    literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
+    if answers is None and route.method == "GET" and literal and literal[-1] in RECORD_SCHEMAS:
+        answers = literal[-1]       # GET /.../{kind}/{id} answers that kind's records
+    if isinstance(answers, dict):
+        return answers
+    if answers not in RECORD_SCHEMAS:
+        return {"description": "See the contract for this operation."}
+    record = {"$ref": f"#/components/schemas/{answers}"}
+    one = {"type": "object", "required": [answers], "properties": {answers: record}}
+    if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
+        return one
+    page = records_answer(answers, answers)
+    page["required"] = [answers, "total", "limit", "offset"]
+    return {"oneOf": [one, page]}
+
+
+def _envelope_schema(success, data):
+    return {"type": "object", "required": ["responseId", "version", "success", "data"],
+            "properties": {"responseId": {"type": "string"}, "version": {"const": 1},
+                           "success": {"const": success}, "data": data}}
+
+
+def _operation(route):
+    levels = f"an API key with the '{route.level}' level" if route.level else "no API key"
+    literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
+    operation = {
+        "operationId": route.method.lower() + re.sub(r"\W+", "_", route.path).rstrip("_"),
+        "summary": route.summary or f"{_OPENAPI_VERBS.get(route.method, route.method)} "
+                                    f"{' '.join(literal)}",
+        "tags": literal[:1],
+        "description": f"Needs {levels}. Parameters may come in the query string or in a "
+                       "JSON object body (body keys win); unknown ones are refused.",
+        "x-access-level": route.level,
+        "security": [{"bearer": []}] if route.level else [],
+        "parameters": [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
+        + [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p, True)}
+           for p in route.params.values() if p.type != "list"],
+    }
+    if route.params:
+        required = [p.name for p in route.params.values() if p.required]
+        body = {"type": "object", "additionalProperties": False,
+                "properties": {p.name: _param_schema(p) for p in route.params.values()}}
+        if required:
+            body["required"] = required
+        operation["requestBody"] = {
+            "required": bool(required),
+            "description": "Parameters may come in the query string instead.",
+            "content": {"application/json": {"schema": body}}}
+    if isinstance(route.answers, dict) and "content" in route.answers:
+        success = route.answers
+    else:
+        success = {"description": "Success: the envelope with the operation's data (a "
+                                  "browser gets it as an HTML page).",
+                   "content": {"application/json": {"schema": _envelope_schema(
+                       True, _success_data(route))}, "text/html": {"schema": {"type": "string"}}}}
+    operation["responses"] = {
+        "200": success,
+        **{str(status): {"$ref": f"#/components/responses/{status}"}
+           for status in _route_statuses(route)}}
+    return operation
+
+
+def openapi_document(routes=None, base_url=None):
+    """The OpenAPI 3.1 document of the API, as a dict.
+
+    Made from the route table (the one create_app() serves), so it lists every
+    route with its placeholders, parameters, level and answers, and cannot
+    drift from what the app does.
+
+    :param routes: the route table; ROUTES when None.
+    :param base_url: the API's root URL (without ``/v1``) for ``servers``.
+    """
+    routes = ROUTES if routes is None else routes
+    paths = {}
+    for route in routes:
+        path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
+        paths.setdefault(path, {})[route.method.lower()] = _operation(route)
+    error_data = {"type": "object", "required": ["error", "message"], "properties": {
+        "error": {"type": "string"}, "message": {"type": "string"},
+        "field": {"description": "the parameter (or list of them) at fault"},
+        "allowed": {"type": "array", "description": "the values or parameters allowed"},
+        "checks": {"type": "array", "items": {"type": "object"},
+                   "description": "verify's checks, on verification_failed"},
+        "rows": {"type": "array", "items": {"type": "object"},
+                 "description": "the first rows that fail, on invalid_data"}}}
+    responses = {}
+    for status, codes in _error_codes().items():
+        data = {"allOf": [{"$ref": "#/components/schemas/error"},
+                          {"properties": {"error": {"enum": codes}}}]}
+        responses[str(status)] = {
+            "description": f"{bottle.HTTP_CODES.get(status, 'Error')}: {', '.join(codes)}.",
+            "content": {"application/json": {"schema": _envelope_schema(False, data)},
+                        "text/html": {"schema": {"type": "string"}}}}
+    responses["401"]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    responses["405"]["headers"] = {"Allow": {"schema": {"type": "string"}}}
+    document = {
+        "openapi": "3.1.0",
+        "info": {"title": "campaignapi", "version": __version__,
+                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " Every answer "
+                 "is the envelope {responseId, version, success, data}; errors carry "
+                 "{error, message} in data and a real HTTP status. A method that a path "
+                 "lacks answers 405 method_not_allowed with an Allow header."},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "An API key's secret."}},
+            "schemas": {"error": error_data, "envelope": _envelope_schema(True, {}),
+                        **RECORD_SCHEMAS},
+            "responses": responses,
+        },
+        "security": [{"bearer": []}],
+    }
+    if base_url is not None:
+        document["servers"] = [{"url": base_url or "/"}]
+    return document
+
+
+def openapi_get(call):
+    """The OpenAPI document itself (not in an envelope, so tools can read it)."""
+    service = call.service
+    if getattr(service, "openapi", None) is None:   # made once per app
+        service.openapi = openapi_document()
+    document = {**service.openapi, "servers": [{"url": call.base_url or "/"}]}
+    return bottle.HTTPResponse(json.dumps(document, ensure_ascii=False), 200, {
+        "Content-Type": "application/json", "Access-Control-Allow-Origin": "*"})
+
+
+_OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no envelope).",
+                   "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
 # ---------------------------------------------------------------------------
@@ -1948,12 +2256,16 @@ def _record_routes(resource, fields):
 #: Every route of the API: (method, path, level, handler, parameters).
 ROUTES = [
     # Datasources
-    Route("GET", "/datasource/{id:int|all|import}", "read", datasource_get, _PAGE),
+    Route("GET", "/datasource/{id:int|all|import}", "read", datasource_get, _PAGE,
+          summary="Get datasource (one, all, or the imported ones)", answers="datasource"),
     Route("POST", "/datasource/{id}", "write", datasource_change,
-          "name:str description:text origin:import|signup|api fields:list"),
+          "name:str description:text origin:import|signup|api fields:list",
+          summary="Change datasource", answers=ANSWER_DONE),
     Route("PUT", "/datasource/{id}", "create", datasource_create,
-          "name:str! description:text origin:import|signup|api fields:list"),
-    Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!"),
+          "name:str! description:text origin:import|signup|api fields:list",
+          summary="Create datasource", answers=ANSWER_ID),
+    Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!",
+          summary="Delete datasource", answers=ANSWER_DONE),
 
     # Recipients, field changes, imports, exports, organize
 
@@ -1965,14 +2277,17 @@ ROUTES = [
     *_record_routes(ACCOUNTPROFILE, "name:str fromname:str fromaddress:email replyto:email"),
 
     # Campaigns
-    Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE),
+    Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE,
+          summary="Get campaign (one or all)", answers=records_answer("emt_campaign", "campaign")),
     Route("PUT", "/campaign/{id}", "create", CAMPAIGN.create,
           "name:str! accountprofile:int! description:text enabled:flag archiveemail:email "
-          "defaulttemplate:str thumbnail:str"),
+          "defaulttemplate:str thumbnail:str", summary="Create campaign", answers=ANSWER_ID),
     Route("POST", "/campaign/{id}", "write", campaign_change,
           "name:str accountprofile:int description:text enabled:flag archiveemail:email "
-          "defaulttemplate:str thumbnail:str scheduled:flag"),
-    Route("DELETE", "/campaign/{id}", "delete", campaign_delete, ""),
+          "defaulttemplate:str thumbnail:str scheduled:flag",
+          summary="Change campaign", answers=ANSWER_DONE),
+    Route("DELETE", "/campaign/{id}", "delete", campaign_delete, "",
+          summary="Delete campaign", answers=ANSWER_DONE),
 
     # Campaign messages, structure, verify
     Route("GET", "/campaign/{parent_id}/message/{child_id:int|all}", "read",
@@ -1994,6 +2309,8 @@ ROUTES = [
     Route("GET", "/campaign/{parent_id}/archive/{child_id}", "read", archive_get, ""),
 
     # Public routes (no key): downloads, unsubscribe, the OpenAPI document
+    Route("GET", "/openapi.json", None, openapi_get,
+          summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
 
 ]
 

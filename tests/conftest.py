@@ -80,3 +80,72 @@ def api(client, auth):
 @pytest.fixture
 def stranger_api(client, other):
     return Api(client, other)
+
+
+# -- Real servers and a real browser (ecosystem issue; reusable by any test) --
+
+import contextlib
+import os
+import threading
+
+
+@contextlib.contextmanager
+def serving(wsgi_app, threads=4):
+    """Serve ``wsgi_app`` with waitress on a free loopback port in a thread;
+    yields the base URL, e.g. ``http://127.0.0.1:40123``."""
+    import waitress
+
+    server = waitress.create_server(wsgi_app, host="127.0.0.1", port=0, threads=threads)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.effective_port}"
+    finally:
+        server.close()
+        thread.join(5)
+
+
+@pytest.fixture
+def serve():
+    """``with serve(wsgi_app) as url:`` runs any WSGI app under waitress."""
+    return serving
+
+
+@pytest.fixture
+def live_server(app):
+    """The ``app`` fixture served by waitress: its base URL."""
+    with serving(app) as url:
+        yield url
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's headless Chromium driven by Playwright.  Skipped where it is
+    missing, except in CI (the CI variable set), where that is a failure."""
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing; .ci/run installs it")
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh browser tab (own cookies) for one test."""
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
