@@ -35,6 +35,7 @@ import io
 import itertools
 import json
 import logging
+import operator
 import os
 import re
 import secrets
@@ -1098,7 +1099,7 @@ def _child_get(call, kind, parent_id, child_id, *, parent="datasource", shape=No
 
 def _nocase(address):
     """An address as the recipient table compares it (SQLite NOCASE folds ASCII only)."""
-    return address.translate(_ASCII_FOLD)
+    return address.lower() if address.isascii() else address.translate(_ASCII_FOLD)
 
 
 # Recipients -----------------------------------------------------------------
@@ -1222,23 +1223,29 @@ def _import_record(conn, row):
 
 IMPORT = Kind("import", "import", _import_record, soft_delete=False)
 
-_UPSERT_RECIPIENT = (
-    # A recipient is its address within the datasource: an existing one gets
-    # the new values merged in (null clears a value), never a new status.
-    "INSERT INTO recipient (datasource, email, data, import, created, updated) "
-    "VALUES (?1, ?2, json_patch('{}', ?3), ?4, ?5, ?5) "
-    "ON CONFLICT (datasource, email) DO UPDATE SET data = json_patch(data, ?3), updated = ?5")
+# Blank text (only whitespace) is stored as no value, as convert_value() does.
+_BLANK_TO_NULL = "CASE WHEN trim(?{n}, ' ' || char(9, 10, 11, 12, 13, 160)) = '' THEN NULL ELSE ?{n} END"
+
+
+def _json_patch_sql(keys, first):
+    """SQL for a JSON object of the field ``keys`` bound from ``?first`` on.
+
+    Built in SQLite rather than in Python: it is the hot loop of an import.
+    Keys are field ids from our own table (digits), never request text.
+    """
+    return "json_object(" + ", ".join(
+        f"'{int(key)}', " + _BLANK_TO_NULL.format(n=first + i) for i, key in enumerate(keys)) + ")"
 
 
 class _Importer:
     """Typed rows in, recipients out: checks each row, keeps the chunk being
-    built, upserts it with executemany and keeps the figures."""
+    built, writes it with executemany and keeps the figures."""
 
     def __init__(self, conn, datasource, import_id):
         self.conn, self.datasource, self.import_id = conn, datasource, import_id
         self.fields = datasource_fields(conn, datasource)
         self.names = {}                   # field key -> name, for messages
-        self.pending = {}                 # folded address -> (address, values)
+        self.pending = {}                 # folded address -> (address, keys, values)
         self.rows = self.inserted = self.updated = self.skipped = 0
         self.errors = []
         # Existing recipients this import already updated: a repeated row
@@ -1272,52 +1279,80 @@ class _Importer:
         self.names[str(field[0])] = field[1]
         return str(field[0]), field[2]
 
-    def add(self, number, email, values):
-        """One row: its email cell and ``(field key, type, raw value)`` items."""
+    def convert(self, number, keys, kinds, raws):
+        """The raw values typed for their fields, or None (the row is skipped)."""
+        try:
+            return tuple([convert_value(kind, raw) for kind, raw in zip(kinds, raws)])
+        except ValueError:
+            pass
+        for key, kind, raw in zip(keys, kinds, raws):  # only for the message
+            try:
+                convert_value(kind, raw)
+            except ValueError as error:
+                self.skip(number, f"{self.names.get(key, key)}: {error}")
+                return None
+
+    def add(self, number, email, keys, values):
+        """One row: its email cell and the values of the fields ``keys``
+        (text may still be blank: SQL stores that as no value)."""
         self.rows += 1
         address = _normalize_email(email)
         if address is None:
             text = email.strip() if isinstance(email, str) else ""
             return self.skip(number, f"'{text[:100]}' is not a valid email address" if text
                              else "no email address")
-        doc = {}
-        key = None
-        try:
-            for key, kind, raw in values:
-                if kind == "text" and type(raw) is str:
-                    doc[key] = raw if raw and not raw.isspace() else None
-                else:
-                    doc[key] = convert_value(kind, raw)
-        except ValueError as error:
-            return self.skip(number, f"{self.names.get(key, key)}: {error}")
         folded = _nocase(address)
         earlier = self.pending.get(folded)
-        self.pending[folded] = (address, doc if earlier is None else {**earlier[1], **doc})
+        if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
+            merged = {**dict(zip(earlier[1], earlier[2])), **dict(zip(keys, values))}
+            keys, values = tuple(merged), tuple(merged.values())
+        self.pending[folded] = (address, keys, values)
         if len(self.pending) >= CHUNK_ROWS:
             self.flush()
 
     def flush(self):
-        """Upsert the chunk, counting new and updated recipients once each."""
+        """Write the chunk: new addresses inserted, known ones updated (their
+        values merged in, never their status), each counted once."""
         pending, self.pending = self.pending, {}
         if not pending:
             return
-        addresses = _to_json([address for address, _ in pending.values()])
-        known, touched = 0, []
-        for recipient_id, source, seen in self.conn.execute(
-                "SELECT r.id, r.import, t.id IS NOT NULL FROM recipient r "
+        known, touched = {}, []
+        for recipient_id, email, source, seen in self.conn.execute(
+                "SELECT r.id, r.email, r.import, t.id IS NOT NULL FROM recipient r "
                 "LEFT JOIN temp.import_touched t ON t.id = r.id "
                 "WHERE r.datasource = ? AND r.email IN (SELECT value FROM json_each(?))",
-                (self.datasource, addresses)):
-            known += 1
+                (self.datasource, _to_json([item[0] for item in pending.values()]))):
+            known[_nocase(email)] = recipient_id
             if source != self.import_id and not seen:
                 touched.append((recipient_id,))
-        self.inserted += len(pending) - known
+        self.inserted += len(pending) - len(known)
         self.updated += len(touched)
         self.conn.executemany("INSERT INTO temp.import_touched (id) VALUES (?)", touched)
-        now = _now()
-        self.conn.executemany(_UPSERT_RECIPIENT, (
-            (self.datasource, address, _to_json(doc), self.import_id, now)
-            for address, doc in pending.values()))
+        now, inserts, updates = _now(), {}, {}
+        for folded, (address, keys, values) in pending.items():
+            recipient_id = known.get(folded)
+            if recipient_id is None:
+                inserts.setdefault(keys, []).append(
+                    (self.datasource, address, self.import_id, now, *values))
+            else:
+                updates.setdefault(keys, []).append((now, recipient_id, *values))
+        for keys, rows in inserts.items():
+            self.conn.executemany(
+                "INSERT INTO recipient (datasource, email, import, created, updated, data) "
+                f"VALUES (?1, ?2, ?3, ?4, ?4, json_patch('{{}}', {_json_patch_sql(keys, 5)}))",
+                rows)
+        for keys, rows in updates.items():
+            self.conn.executemany(
+                f"UPDATE recipient SET updated = ?1, data = json_patch(data, "
+                f"{_json_patch_sql(keys, 3)}) WHERE id = ?2", rows)
+
+
+def _picker(indexes):
+    """A function of a row (list of cells) giving the cells at ``indexes`` as a tuple."""
+    if len(indexes) == 1:
+        index = indexes[0]
+        return lambda cells: (cells[index],)
+    return operator.itemgetter(*indexes) if indexes else (lambda cells: ())
 
 
 def _is_email_column(name):
@@ -1394,6 +1429,13 @@ def _import_csv(importer, raw):
                           "emailaddress); nothing was imported.", field="__uploaddata__")
     columns = [(i, column) for i, column in ((i, importer.column(name)) for i, name
                                              in enumerate(header) if i != email_at) if column]
+    # Text cells go to SQL as they are; only typed ones are converted here.
+    text = [(i, key) for i, (key, kind) in columns if kind == "text"]
+    typed = [(i, key, kind) for i, (key, kind) in columns if kind != "text"]
+    text_cells, typed_cells = _picker([i for i, _ in text]), _picker([i for i, _, _ in typed])
+    text_keys = tuple(key for _, key in text)
+    typed_keys, kinds = tuple(key for _, key, _ in typed), [kind for _, _, kind in typed]
+    keys = text_keys + typed_keys
     width, number = len(header), 1
     while True:
         try:
@@ -1403,11 +1445,18 @@ def _import_csv(importer, raw):
                     continue  # a blank line
                 if len(cells) < width:
                     cells += [""] * (width - len(cells))
-                importer.add(number, cells[email_at],
-                             [(key, kind, cells[i]) for i, (key, kind) in columns])
+                values = text_cells(cells)
+                if typed:
+                    converted = importer.convert(number, typed_keys, kinds, typed_cells(cells))
+                    if converted is None:
+                        importer.rows += 1
+                        continue
+                    values += converted
+                importer.add(number, cells[email_at], keys, values)
             return
         except csv.Error as error:
             number += 1
+            importer.rows += 1
             importer.skip(number, f"unreadable row: {error}")
 
 
@@ -1422,13 +1471,13 @@ def _import_json(importer, data):
     if not isinstance(data, list):
         raise InvalidData("A json upload is an array of objects; nothing was imported.",
                           field="__uploaddata__")
-    columns = {}
+    columns, shapes = {}, {}
     for number, item in enumerate(data, 1):
         if not isinstance(item, dict):
             importer.rows += 1
             importer.skip(number, "not an object")
             continue
-        email, values = None, []
+        email, keys, kinds, raws = None, [], [], []
         for name, value in item.items():
             if _is_email_column(name):
                 email = value if email is None else email
@@ -1438,14 +1487,19 @@ def _import_json(importer, data):
             if columns[name] is None:
                 continue
             if isinstance(value, (dict, list)):
-                email, values = "", None
+                importer.rows += 1
+                importer.skip(number, f"the value of '{name}' is not a single value")
                 break
-            values.append((*columns[name], value))
-        if values is None:
-            importer.rows += 1
-            importer.skip(number, f"the value of '{name}' is not a single value")
+            keys.append(columns[name][0])
+            kinds.append(columns[name][1])
+            raws.append(value)
         else:
-            importer.add(number, email, values)
+            keys = shapes.setdefault(tuple(keys), tuple(keys))
+            values = importer.convert(number, keys, kinds, raws)
+            if values is None:
+                importer.rows += 1
+            else:
+                importer.add(number, email, keys, values)
 
 
 def import_get(call, parent_id, child_id):
