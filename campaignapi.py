@@ -1138,9 +1138,6 @@ def _field_record(conn, row):
             "type": row["type"]}
 
 
-FIELD = Kind("field", "field", _field_record, soft_delete=False)
-
-
 def _find_field(conn, datasource, ref):
     """A datasource's field by id or by name (without case), else 404."""
     row = None
@@ -1224,7 +1221,8 @@ def _import_record(conn, row):
 IMPORT = Kind("import", "import", _import_record, soft_delete=False)
 
 # Blank text (only whitespace) is stored as no value, as convert_value() does.
-_BLANK_TO_NULL = "CASE WHEN trim(?{n}, ' ' || char(9, 10, 11, 12, 13, 160)) = '' THEN NULL ELSE ?{n} END"
+_BLANK_TO_NULL = ("CASE WHEN trim(?{n}, ' ' || char(9, 10, 11, 12, 13, 160)) = '' "
+                  "THEN NULL ELSE ?{n} END")
 
 
 def _json_patch_sql(keys, first):
@@ -1273,8 +1271,9 @@ class _Importer:
                 self.report(1, f"column '{label[:50]}' left out: a field name is one line "
                                "without braces, at most 200 characters")
                 return None
-            field_id = self.conn.execute("INSERT INTO field (datasource, name, type) "
-                                         "VALUES (?, ?, 'text')", (self.datasource, label)).lastrowid
+            field_id = self.conn.execute(
+                "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
+                (self.datasource, label)).lastrowid
             field = self.fields[label.lower()] = (field_id, label, "text")
         self.names[str(field[0])] = field[1]
         return str(field[0]), field[2]

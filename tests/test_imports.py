@@ -264,3 +264,18 @@ def test_100k_row_file_through_the_api(api, ds, capsys):
     with capsys.disabled():
         print(f"\n100,000-row import through the API: {seconds:.2f}s")
     assert seconds < 60  # seconds, not minutes (about 2s on a laptop core)
+
+
+def test_blank_text_cells_and_odd_header_columns(api, ds):
+    text = "email,note,{{tag}},,first name\nann@example.com,   ,x,y,Ann\n"
+    record = get_import(api, ds, import_csv(api, ds, text)["id"])
+    assert record["inserted"] == "1" and record["skipped"] == "0"
+    assert record["errors"] == [{"row": "1", "error": "column '{{tag}}' left out: a field name "
+                                                      "is one line without braces, at most "
+                                                      "200 characters"}]
+    fields = recipients(api, ds)["ann@example.com"]["fields"]
+    assert fields["note"] is None and fields["first name"] == "Ann"
+    assert "{{tag}}" not in fields and "" not in fields
+    renamed = api.get(f"/datasource/{ds}/modify/first%20name", new="given name", type="text")
+    assert renamed["field"]["name"] == "given name"
+    assert recipients(api, ds)["ann@example.com"]["fields"]["given name"] == "Ann"
