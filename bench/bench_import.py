@@ -8,7 +8,6 @@ same rows, and peak RSS <= 4x the upload (the request body).
 """
 
 import base64
-import io
 import json
 import os
 import resource
