@@ -23,13 +23,19 @@ __version__ = "0.1.0"
 
 import argparse
 import base64
+import binascii
+import codecs
 import contextlib
+import csv
 import datetime
 import hashlib
 import html
 import importlib.metadata
+import io
+import itertools
 import json
 import logging
+import operator
 import os
 import re
 import secrets
@@ -446,6 +452,15 @@ def _check_scalar(name, value):
     return value
 
 
+def _check_data(name, value):
+    # An upload: text (csv, base64) or, for json uploads, an array of objects
+    # (or that array as a JSON string); the importer reads it further and
+    # answers 422 for data it cannot read.
+    if not isinstance(value, (str, list, dict)):
+        raise InvalidParameter(f"'{name}' must be a string or a JSON array.", field=name)
+    return value
+
+
 #: Parameter types of the route table: name -> checker(name, value) -> value.
 PARAM_TYPES = {
     "str": lambda name, value: _check_str(name, value, False),
@@ -455,6 +470,7 @@ PARAM_TYPES = {
     "email": _check_email,
     "list": _check_list,
     "scalar": _check_scalar,
+    "data": _check_data,
 }
 
 
@@ -875,15 +891,21 @@ def list_owned(call, kind, where="", args=()):
 
     :param where: a further SQL condition (a fixed string, never request text).
     """
-    limit, offset = _page(call)
     where = " AND ".join(filter(None, ["owner = ?", "deleted = 0" if kind.soft_delete else "",
                                         where]))
-    args = (call.account, *args)
+    return list_page(call, kind, where, (call.account, *args))
+
+
+def list_page(call, kind, where, args, shape=None):
+    """One page (by id) of the rows of ``kind`` that match ``where``, shaped:
+    ``(records, total, limit, offset)``.  ``where`` is a fixed SQL string."""
+    limit, offset = _page(call)
+    shape = shape or kind.shape
     total = call.conn.execute(f"SELECT count(*) FROM {kind.table} WHERE {where}",
                               args).fetchone()[0]
     rows = call.conn.execute(f"SELECT * FROM {kind.table} WHERE {where} ORDER BY id "
                              "LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()
-    return [kind.shape(call.conn, row) for row in rows], total, limit, offset
+    return [shape(call.conn, row) for row in rows], total, limit, offset
 
 
 def get_record(call, kind, record_id):
@@ -983,8 +1005,7 @@ def _checked_fields(fields):
                                    field="fields")
         name = item["name"]
         kind = item.get("type", "text")
-        if not isinstance(name, str) or not name.strip() or len(name) > 200 \
-                or any(c in name for c in "\r\n\x00{}"):
+        if not valid_field_name(name):
             raise InvalidParameter(f"fields[{index}].name must be a non-empty single-line name "
                                    "without braces.", field="fields")
         if kind not in FIELD_TYPES:
@@ -996,6 +1017,12 @@ def _checked_fields(fields):
                                    field="fields")
         checked[name.lower()] = (name, kind)
     return list(checked.values())
+
+
+def valid_field_name(name):
+    """A field name is one non-empty line without braces (they mark merge tags)."""
+    return isinstance(name, str) and bool(name.strip()) and len(name) <= 200 \
+        and not any(c in name for c in "\r\n\x00{}")
 
 
 def _add_fields(conn, datasource, fields):
@@ -1128,7 +1155,676 @@ def recipient_values(fields, row):
 # Recipients, field changes, imports, exports, organize
 # ---------------------------------------------------------------------------
 
-# (recipient-data issue)
+#: Rows read, checked and written per executemany (imports, retypes).
+CHUNK_ROWS = 5000
+#: How many failing rows an import record or a 422 answer lists.
+ROWS_REPORTED = 100
+#: How long an export's download link works.
+EXPORT_LIFETIME = datetime.timedelta(days=7)
+#: Header names of the email column, compared without case, spaces, '-' or '_'.
+_EMAIL_COLUMNS = {"email", "emailaddress"}
+_ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def get_datasource(conn, account, datasource_id, *, live=False):
+    """The caller's datasource row, else 404 (409 if deleted and ``live``)."""
+    return get_owned(conn, DATASOURCE, account, datasource_id, live=live)
+
+
+def _get_child(call, kind, parent_id, child_id, *, live=False, parent="datasource"):
+    """Row ``child_id`` of ``kind`` that belongs to the caller's datasource
+    ``parent_id`` (the column ``parent`` names it), else 404."""
+    get_datasource(call.conn, call.account, parent_id, live=live)
+    row = call.conn.execute(f"SELECT * FROM {kind.table} WHERE id = ? AND {parent} = ?",
+                            (child_id, parent_id)).fetchone()
+    if row is None:
+        raise NotFound(f"There is no {kind.label} {child_id} in datasource {parent_id}.")
+    return row
+
+
+def _child_get(call, kind, parent_id, child_id, *, parent="datasource", shape=None):
+    """The Get answer of a datasource's sub-resource: one record or a page."""
+    shape = shape or kind.shape
+    if child_id == "all":
+        get_datasource(call.conn, call.account, parent_id)
+        return _listing(kind.name, *list_page(call, kind, f"{parent} = ?", (parent_id,), shape))
+    return {kind.name: shape(call.conn, _get_child(call, kind, parent_id, child_id,
+                                                    parent=parent))}
+
+
+def _nocase(address):
+    """An address as the recipient table compares it (SQLite NOCASE folds ASCII only)."""
+    return address.lower() if address.isascii() else address.translate(_ASCII_FOLD)
+
+
+# Recipients -----------------------------------------------------------------
+
+def _recipient_record(fields, row):
+    data = json.loads(row["data"])
+    values = {}
+    for field_id, name, _ in fields.values():
+        value = data.get(str(field_id))
+        values[name] = None if value is None else display_value(value)
+    values["email"] = row["email"]
+    return {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"],
+            "fields": values, "status": row["status"], "created": row["created"],
+            "updated": row["updated"]}
+
+
+RECIPIENT = Kind("recipient", "recipient", None, soft_delete=False)  # shaped with its fields
+
+
+def recipient_get(call, parent_id, child_id):
+    get_datasource(call.conn, call.account, parent_id)
+    fields = datasource_fields(call.conn, parent_id)
+    shape = lambda conn, row: _recipient_record(fields, row)  # noqa: E731 - fields read once
+    if child_id != "all":
+        return {"recipient": shape(call.conn, _get_child(call, RECIPIENT, parent_id, child_id))}
+    where, args = "datasource = ?", (parent_id,)
+    if "status" in call.params:
+        where, args = where + " AND status = ?", (*args, call.params["status"])
+    return _listing("recipient", *list_page(call, RECIPIENT, where, args, shape))
+
+
+# Field changes --------------------------------------------------------------
+
+def _field_record(conn, row):
+    return {"id": str(row["id"]), "datasource": str(row["datasource"]), "name": row["name"],
+            "type": row["type"]}
+
+
+def _find_field(conn, datasource, ref):
+    """A datasource's field by id or by name (without case), else 404."""
+    row = None
+    if ref.isascii() and ref.isdigit():
+        row = conn.execute("SELECT * FROM field WHERE id = ? AND datasource = ?",
+                           (_as_int(ref), datasource)).fetchone()
+    if row is None:
+        row = conn.execute("SELECT * FROM field WHERE name = ? AND datasource = ?",
+                           (ref, datasource)).fetchone()
+    if row is None:
+        raise NotFound(f"Datasource {datasource} has no field '{ref}'.")
+    return row
+
+
+def field_modify(call, parent_id, child_id):
+    """Rename a field and/or change its type (the spec's GET modify)."""
+    get_datasource(call.conn, call.account, parent_id, live=True)
+    field = _find_field(call.conn, parent_id, child_id)
+    name, kind = call.params["new"].strip(), call.params["type"]
+    if field["name"].lower() == "email" and (name.lower() != "email" or kind != "email"):
+        raise Conflict("The email field cannot be renamed or retyped.", field="new")
+    if not valid_field_name(name):
+        raise InvalidParameter("'new' must be a non-empty single-line name without braces, "
+                               "at most 200 characters.", field="new")
+    taken = call.conn.execute("SELECT 1 FROM field WHERE datasource = ? AND name = ? AND id != ?",
+                              (parent_id, name, field["id"])).fetchone()
+    if taken:
+        raise Conflict(f"Datasource {parent_id} already has a field named '{name}'.", field="new")
+    if kind != field["type"]:
+        _retype(call.conn, parent_id, field, kind)
+    update_record(call.conn, "field", field["id"], {"name": name, "type": kind})
+    return {"field": _field_record(call.conn, _find_field(call.conn, parent_id, str(field["id"])))}
+
+
+def _retype(conn, datasource, field, kind):
+    """Convert every stored value of ``field`` to ``kind``, chunk by chunk.
+
+    On the first failure writing stops; the scan goes on to name up to
+    ROWS_REPORTED failing rows, then InvalidData rolls the request back, so
+    the data stays as it was.
+    """
+    path = f'$."{int(field["id"])}"'
+    failures, last_id = [], 0
+    while len(failures) < ROWS_REPORTED:
+        rows = conn.execute(
+            "SELECT id, email, json_extract(data, ?1) AS value FROM recipient "
+            "WHERE datasource = ?2 AND id > ?3 AND json_extract(data, ?1) IS NOT NULL "
+            "ORDER BY id LIMIT ?4", (path, datasource, last_id, CHUNK_ROWS)).fetchall()
+        if not rows:
+            break
+        last_id = rows[-1]["id"]
+        updates = []
+        for row in rows:
+            try:
+                updates.append((path, convert_value(kind, display_value(row["value"])), row["id"]))
+            except ValueError as error:
+                failures.append({"recipient": str(row["id"]), "email": row["email"],
+                                 "value": display_value(row["value"]), "error": str(error)})
+                if len(failures) >= ROWS_REPORTED:
+                    break
+        if not failures:
+            conn.executemany("UPDATE recipient SET data = json_set(data, ?, ?) WHERE id = ?",
+                             updates)
+    if failures:
+        raise InvalidData(f"The field '{field['name']}' cannot become {kind}: some stored values "
+                          "do not convert (the first are listed); nothing was changed.",
+                          rows=failures)
+
+
+# Imports --------------------------------------------------------------------
+
+def _import_record(conn, row):
+    return {"id": str(row["id"]), "datasource": str(row["datasource"]), "name": row["name"],
+            "originalfile": row["originalfile"], "uploadtype": row["uploadtype"],
+            "status": row["status"], "rows": str(row["rows"]), "inserted": str(row["inserted"]),
+            "updated": str(row["updated"]), "skipped": str(row["skipped"]),
+            "errors": json.loads(row["errors"]), "created": row["created"],
+            "finished": row["finished"]}
+
+
+IMPORT = Kind("import", "import", _import_record, soft_delete=False)
+
+# Blank text (only whitespace) is stored as no value, as convert_value() does.
+_BLANK_TO_NULL = ("CASE WHEN trim(?{n}, ' ' || char(9, 10, 11, 12, 13, 160)) = '' "
+                  "THEN NULL ELSE ?{n} END")
+
+
+def _json_patch_sql(keys, first):
+    """SQL for a JSON object of the field ``keys`` bound from ``?first`` on.
+
+    Built in SQLite rather than in Python: it is the hot loop of an import.
+    Keys are field ids from our own table (digits), never request text.
+    """
+    return "json_object(" + ", ".join(
+        f"'{int(key)}', " + _BLANK_TO_NULL.format(n=first + i) for i, key in enumerate(keys)) + ")"
+
+
+class _Importer:
+    """Typed rows in, recipients out: checks each row, keeps the chunk being
+    built, writes it with executemany and keeps the figures."""
+
+    def __init__(self, conn, datasource, import_id):
+        self.conn, self.datasource, self.import_id = conn, datasource, import_id
+        self.fields = datasource_fields(conn, datasource)
+        self.names = {}                   # field key -> name, for messages
+        self.pending = {}                 # folded address -> (address, keys, values)
+        self.rows = self.inserted = self.updated = self.skipped = 0
+        self.errors = []
+        # Existing recipients this import already updated: a repeated row
+        # in a later chunk must not count again.
+        conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
+        conn.execute("DELETE FROM temp.import_touched")
+
+    def report(self, number, error):
+        if len(self.errors) < ROWS_REPORTED:
+            self.errors.append({"row": str(number), "error": error})
+
+    def skip(self, number, error):
+        self.skipped += 1
+        self.report(number, error)
+
+    def column(self, name):
+        """A column of the upload as ``(field key, type)``; an unknown name
+        becomes a new text field.  None for a column to leave out."""
+        label = name.strip() if isinstance(name, str) else ""
+        if not label:
+            return None
+        field = self.fields.get(label.lower())
+        if field is None:
+            if not valid_field_name(label):
+                self.report(1, f"column '{label[:50]}' left out: a field name is one line "
+                               "without braces, at most 200 characters")
+                return None
+            field_id = self.conn.execute(
+                "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
+                (self.datasource, label)).lastrowid
+            field = self.fields[label.lower()] = (field_id, label, "text")
+        self.names[str(field[0])] = field[1]
+        return str(field[0]), field[2]
+
+    def convert(self, number, keys, kinds, raws):
+        """The raw values typed for their fields, or None (the row is skipped)."""
+        try:
+            return tuple([convert_value(kind, raw) for kind, raw in zip(kinds, raws)])
+        except ValueError:
+            pass
+        for key, kind, raw in zip(keys, kinds, raws):  # only for the message
+            try:
+                convert_value(kind, raw)
+            except ValueError as error:
+                self.skip(number, f"{self.names.get(key, key)}: {error}")
+                return None
+
+    def add(self, number, email, keys, values):
+        """One row: its email cell and the values of the fields ``keys``
+        (text may still be blank: SQL stores that as no value)."""
+        self.rows += 1
+        address = _normalize_email(email)
+        if address is None:
+            text = email.strip() if isinstance(email, str) else ""
+            return self.skip(number, f"'{text[:100]}' is not a valid email address" if text
+                             else "no email address")
+        folded = _nocase(address)
+        earlier = self.pending.get(folded)
+        if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
+            merged = {**dict(zip(earlier[1], earlier[2])), **dict(zip(keys, values))}
+            keys, values = tuple(merged), tuple(merged.values())
+        self.pending[folded] = (address, keys, values)
+        if len(self.pending) >= CHUNK_ROWS:
+            self.flush()
+
+    def flush(self):
+        """Write the chunk: new addresses inserted, known ones updated (their
+        values merged in, never their status), each counted once."""
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return
+        known, touched = {}, []
+        for recipient_id, email, source, seen in self.conn.execute(
+                "SELECT r.id, r.email, r.import, t.id IS NOT NULL FROM recipient r "
+                "LEFT JOIN temp.import_touched t ON t.id = r.id "
+                "WHERE r.datasource = ? AND r.email IN (SELECT value FROM json_each(?))",
+                (self.datasource, _to_json([item[0] for item in pending.values()]))):
+            known[_nocase(email)] = recipient_id
+            if source != self.import_id and not seen:
+                touched.append((recipient_id,))
+        self.inserted += len(pending) - len(known)
+        self.updated += len(touched)
+        self.conn.executemany("INSERT INTO temp.import_touched (id) VALUES (?)", touched)
+        now, inserts, updates = _now(), {}, {}
+        for folded, (address, keys, values) in pending.items():
+            recipient_id = known.get(folded)
+            if recipient_id is None:
+                inserts.setdefault(keys, []).append(
+                    (self.datasource, address, self.import_id, now, *values))
+            else:
+                updates.setdefault(keys, []).append((now, recipient_id, *values))
+        for keys, rows in inserts.items():
+            self.conn.executemany(
+                "INSERT INTO recipient (datasource, email, import, created, updated, data) "
+                f"VALUES (?1, ?2, ?3, ?4, ?4, json_patch('{{}}', {_json_patch_sql(keys, 5)}))",
+                rows)
+        for keys, rows in updates.items():
+            self.conn.executemany(
+                f"UPDATE recipient SET updated = ?1, data = json_patch(data, "
+                f"{_json_patch_sql(keys, 3)}) WHERE id = ?2", rows)
+
+
+def _picker(indexes):
+    """A function of a row (list of cells) giving the cells at ``indexes`` as a tuple."""
+    if len(indexes) == 1:
+        index = indexes[0]
+        return lambda cells: (cells[index],)
+    return operator.itemgetter(*indexes) if indexes else (lambda cells: ())
+
+
+def _is_email_column(name):
+    return isinstance(name, str) and re.sub(r"[\s_-]", "", name).lower() in _EMAIL_COLUMNS
+
+
+def _upload_bytes(upload_type, data):
+    """The CSV file of a csv or base64 upload, as bytes."""
+    if not isinstance(data, str):
+        raise InvalidParameter(f"'__uploaddata__' must be a string for {upload_type} uploads.",
+                               field="__uploaddata__")
+    if upload_type == "csv":
+        return data.encode("utf-8", "replace")
+    if data.startswith("data:") and "," in data[:200]:  # a data: URL
+        data = data[data.index(",") + 1:]
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    # Line-wrapped (MIME), URL-safe or unpadded base64; only now worth a copy.
+    data = "".join(data.split()).translate(str.maketrans("-_", "+/"))
+    try:
+        return base64.b64decode(data + "=" * (-len(data) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidData("'__uploaddata__' is not valid base64; nothing was imported.",
+                          field="__uploaddata__") from None
+
+
+def _text_encoding(raw):
+    """UTF-8 (BOM or not) when the bytes are valid UTF-8, UTF-16 with its BOM,
+    else Latin-1.  Checked in pieces, keeping none of the decoded text."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    if raw.isascii():
+        return "utf-8-sig"
+    decoder, view, step = codecs.getincrementaldecoder("utf-8")(), memoryview(raw), 1 << 20
+    try:
+        for start in range(0, len(raw), step):
+            decoder.decode(view[start:start + step])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return "latin-1"
+    return "utf-8-sig"
+
+
+def _sniff_delimiter(line):
+    """The most frequent of , ; tab outside quotes in the header line."""
+    counts, quoted = {",": 0, ";": 0, "\t": 0}, False
+    for char in line:
+        if char == '"':
+            quoted = not quoted
+        elif not quoted and char in counts:
+            counts[char] += 1
+    best = max(counts, key=counts.get)
+    return best if counts[best] else ","
+
+
+def _import_csv(importer, raw):
+    """Read a CSV file lazily, row by row, into the importer."""
+    stream = io.TextIOWrapper(io.BytesIO(raw), encoding=_text_encoding(raw), newline="")
+    first = stream.readline()
+    delimiter = None
+    if first.strip().lower().startswith("sep=") and len(first.strip()) == 5:
+        delimiter, first = first.strip()[4], stream.readline()  # Excel's "sep=;" line
+    reader = csv.reader(itertools.chain([first], stream),
+                        delimiter=delimiter or _sniff_delimiter(first))
+    header = next(reader, None)
+    if not header or not any(cell.strip() for cell in header):
+        raise InvalidData("The upload has no header row; nothing was imported.",
+                          field="__uploaddata__")
+    email_at = next((i for i, name in enumerate(header) if _is_email_column(name)), None)
+    if email_at is None:
+        raise InvalidData("The upload has no email column (named email, e-mail or "
+                          "emailaddress); nothing was imported.", field="__uploaddata__")
+    columns = [(i, column) for i, column in ((i, importer.column(name)) for i, name
+                                             in enumerate(header) if i != email_at) if column]
+    # Text cells go to SQL as they are; only typed ones are converted here.
+    text = [(i, key) for i, (key, kind) in columns if kind == "text"]
+    typed = [(i, key, kind) for i, (key, kind) in columns if kind != "text"]
+    text_cells, typed_cells = _picker([i for i, _ in text]), _picker([i for i, _, _ in typed])
+    text_keys = tuple(key for _, key in text)
+    typed_keys, kinds = tuple(key for _, key, _ in typed), [kind for _, _, kind in typed]
+    keys = text_keys + typed_keys
+    width, number = len(header), 1
+    while True:
+        try:
+            for cells in reader:
+                number += 1
+                if not any(cells):
+                    continue  # a blank line
+                if len(cells) < width:
+                    cells += [""] * (width - len(cells))
+                values = text_cells(cells)
+                if typed:
+                    converted = importer.convert(number, typed_keys, kinds, typed_cells(cells))
+                    if converted is None:
+                        importer.rows += 1
+                        continue
+                    values += converted
+                importer.add(number, cells[email_at], keys, values)
+            return
+        except csv.Error as error:
+            number += 1
+            importer.rows += 1
+            importer.skip(number, f"unreadable row: {error}")
+
+
+def _import_json(importer, data):
+    """Rows of a json upload: an array of objects, keys naming the fields."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except (ValueError, RecursionError):
+            raise InvalidData("'__uploaddata__' is not a JSON array; nothing was imported.",
+                              field="__uploaddata__") from None
+    if not isinstance(data, list):
+        raise InvalidData("A json upload is an array of objects; nothing was imported.",
+                          field="__uploaddata__")
+    columns, shapes = {}, {}
+    for number, item in enumerate(data, 1):
+        if not isinstance(item, dict):
+            importer.rows += 1
+            importer.skip(number, "not an object")
+            continue
+        email, keys, kinds, raws = None, [], [], []
+        for name, value in item.items():
+            if _is_email_column(name):
+                email = value if email is None else email
+                continue
+            if name not in columns:
+                columns[name] = importer.column(name)
+            if columns[name] is None:
+                continue
+            if isinstance(value, (dict, list)):
+                importer.rows += 1
+                importer.skip(number, f"the value of '{name}' is not a single value")
+                break
+            keys.append(columns[name][0])
+            kinds.append(columns[name][1])
+            raws.append(value)
+        else:
+            keys = shapes.setdefault(tuple(keys), tuple(keys))
+            values = importer.convert(number, keys, kinds, raws)
+            if values is None:
+                importer.rows += 1
+            else:
+                importer.add(number, email, keys, values)
+
+
+def import_get(call, parent_id, child_id):
+    return _child_get(call, IMPORT, parent_id, child_id)
+
+
+def import_create(call, parent_id, child_id):
+    """Import a CSV file or an array of objects into the datasource, as one
+    transaction (the request's), in chunks; mail the figures to the account."""
+    datasource = get_datasource(call.conn, call.account, parent_id, live=True)
+    upload_type = call.params["__uploadtype__"]
+    # Popped, so that once read it is garbage: the upload is the big thing.
+    data = call.params.pop("__uploaddata__")
+    raw = None if upload_type == "json" else _upload_bytes(upload_type, data)
+    if raw is not None:
+        data = None
+    import_id = insert_record(call.conn, "import", child_id, {
+        "datasource": parent_id, "name": call.params["name"],
+        "originalfile": call.params["originalfile"], "uploadtype": upload_type,
+        "status": "running", "created": _now()})
+    importer = _Importer(call.conn, parent_id, import_id)
+    try:
+        if raw is None:
+            _import_json(importer, data)
+        else:
+            _import_csv(importer, raw)
+    except UnicodeDecodeError:
+        raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or Latin-1); "
+                          "nothing was imported.", field="__uploaddata__") from None
+    importer.flush()
+    update_record(call.conn, "import", import_id, {
+        "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
+        "updated": importer.updated, "skipped": importer.skipped,
+        "errors": _to_json(importer.errors), "finished": _now()})
+    call.conn.execute("DELETE FROM temp.import_touched")
+    _notify_import(call, datasource, call.conn.execute("SELECT * FROM import WHERE id = ?",
+                                                       (import_id,)).fetchone())
+    return {"id": str(import_id)}
+
+
+def _notify_import(call, datasource, row):
+    title = row["name"] or row["originalfile"] or f"import {row['id']}"
+    lines = [f'Your import "{title}" into the datasource "{datasource["name"]}" '
+             f'(id {datasource["id"]}) has finished.', "",
+             f"Rows read:          {row['rows']}",
+             f"New recipients:     {row['inserted']}",
+             f"Updated recipients: {row['updated']}",
+             f"Rows skipped:       {row['skipped']}"]
+    errors = json.loads(row["errors"])
+    if errors:
+        lines += ["", "Problems (the first of them):"]
+        lines += [f"  row {error['row']}: {error['error']}" for error in errors[:20]]
+    lines += ["", f"Import record: {call.base_url}/v1/datasource/{datasource['id']}"
+                  f"/import/{row['id']}"]
+    enqueue_email(call.conn, call.account, account_email(call.conn, call.account),
+                  f'Import "{title}" finished: {row["inserted"]} new, {row["updated"]} updated, '
+                  f'{row["skipped"]} skipped', "\n".join(lines) + "\n")
+
+
+def import_change(call, parent_id, child_id):
+    _same_id(call, "id", child_id)
+    _get_child(call, IMPORT, parent_id, child_id, live=True)
+    update_record(call.conn, "import", child_id, _columns(call, ("name", "originalfile")))
+    return True
+
+
+def import_delete(call, parent_id, child_id):
+    """Delete the import record and the recipients that this import inserted."""
+    _same_id(call, "id", child_id)
+    _get_child(call, IMPORT, parent_id, child_id, live=True)
+    call.conn.execute("DELETE FROM recipient WHERE import = ?", (child_id,))
+    call.conn.execute("DELETE FROM import WHERE id = ?", (child_id,))
+    return True
+
+
+# Exports --------------------------------------------------------------------
+
+def _export_record(call, row):
+    live = row["status"] == "finished" and row["expires"] > _now()
+    return {"id": str(row["id"]), "datasource": str(row["datasource"]), "status": row["status"],
+            "rows": str(row["rows"]),
+            "url": f"{call.base_url}/v1/download/{row['token']}" if live else None,
+            "expires": row["expires"], "created": row["created"], "finished": row["finished"]}
+
+
+EXPORT = Kind("export", "export", None, soft_delete=False)
+
+
+def export_get(call, parent_id, child_id):
+    """Id 0: export the datasource now; a positive id: an earlier export."""
+    if child_id == 0:
+        return {"export": _export_record(call, _run_export(call, parent_id))}
+    return {"export": _export_record(call, _get_child(call, EXPORT, parent_id, child_id))}
+
+
+def _export_folder(db):
+    return os.path.abspath(db) + "-exports"
+
+
+def _run_export(call, datasource_id):
+    """Write the active recipients to a CSV file beside the database.
+
+    Not one transaction on purpose: the file is written from one read
+    statement (a consistent snapshot under WAL) without holding the write
+    lock, so a long export never blocks imports or sending.  If it fails,
+    the record and the file are removed again.
+    """
+    conn, folder = call.conn, _export_folder(call.service.db)
+    with transaction(conn):
+        datasource = get_datasource(conn, call.account, datasource_id, live=True)
+        _purge_exports(conn)
+        expires = (datetime.datetime.now(datetime.timezone.utc) + EXPORT_LIFETIME)
+        export_id = conn.execute(
+            "INSERT INTO export (datasource, status, token, expires, created) "
+            "VALUES (?, 'running', ?, ?, ?)",
+            (datasource_id, secrets.token_urlsafe(32), expires.strftime("%Y-%m-%d %H:%M:%S"),
+             _now())).lastrowid
+    path = os.path.join(folder, f"{export_id}-{secrets.token_hex(8)}.csv")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        rows = _write_export(conn, datasource_id, path)
+        with transaction(conn):
+            conn.execute("UPDATE export SET status = 'finished', rows = ?, path = ?, finished = ? "
+                         "WHERE id = ?", (rows, path, _now(), export_id))
+            row = conn.execute("SELECT * FROM export WHERE id = ?", (export_id,)).fetchone()
+            _notify_export(call, datasource, row)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        with transaction(conn):
+            conn.execute("DELETE FROM export WHERE id = ?", (export_id,))
+        raise
+    return row
+
+
+def _write_export(conn, datasource_id, path):
+    """Stream the datasource's active recipients into ``path``; the row count."""
+    fields = sorted(field for field in datasource_fields(conn, datasource_id).values()
+                    if field[2] != "email")
+    # Field ids are integers from our own table, never request text.
+    columns = "".join(f", json_extract(data, '$.\"{int(field_id)}\"')" for field_id, _, _ in fields)
+    cursor = conn.cursor()
+    cursor.row_factory = None
+    count = 0
+    partial = path + ".part"
+    try:
+        with open(partial, "w", newline="", encoding="utf-8") as file:
+            writer = csv.writer(file)
+            writer.writerow(["email"] + [name for _, name, _ in fields])
+            for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
+                                      "AND status = 'active' ORDER BY id", (datasource_id,)):
+                writer.writerow([row[0], *map(display_value, row[1:])])
+                count += 1
+        os.replace(partial, path)
+    finally:
+        cursor.close()
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+    return count
+
+
+def _purge_exports(conn):
+    """Remove the files of expired exports (their records stay)."""
+    for row in conn.execute("SELECT id, path FROM export WHERE expires <= ? AND path IS NOT NULL",
+                            (_now(),)).fetchall():
+        with contextlib.suppress(OSError):
+            os.remove(row["path"])
+        conn.execute("UPDATE export SET path = NULL WHERE id = ?", (row["id"],))
+
+
+def _notify_export(call, datasource, row):
+    url = f"{call.base_url}/v1/download/{row['token']}"
+    body = (f'The export of the datasource "{datasource["name"]}" (id {datasource["id"]}) is '
+            f"ready: {row['rows']} recipients.\n\nDownload it (CSV) until {row['expires']} UTC:\n"
+            f"{url}\n\nAnyone with this link can download the file; do not forward it.\n")
+    enqueue_email(call.conn, call.account, account_email(call.conn, call.account),
+                  f'Export of "{datasource["name"]}" is ready', body)
+
+
+def download(call, token):
+    """The CSV of an export, to anyone holding its link, until it expires."""
+    row = call.conn.execute("SELECT * FROM export WHERE token = ?", (token,)).fetchone()
+    if row is None or row["status"] != "finished" or row["expires"] <= _now() \
+            or not row["path"] or not os.path.isfile(row["path"]):
+        raise NotFound("This download link is unknown or has expired; start a new export.")
+    return bottle.static_file(os.path.basename(row["path"]), root=os.path.dirname(row["path"]),
+                              mimetype="text/csv",
+                              download=f"datasource-{row['datasource']}-export-{row['id']}.csv")
+
+
+# Organize -------------------------------------------------------------------
+
+def _organize_record(conn, row):
+    return {"id": str(row["id"]), "item": str(row["item"]), "folder": row["folder"],
+            "sortorder": str(row["sortorder"])}
+
+
+ORGANIZE = Kind("organize", "organize", _organize_record, soft_delete=False,
+                label="organize record")
+
+
+def organize_get(call, parent_id, child_id):
+    return _child_get(call, ORGANIZE, parent_id, child_id, parent="item")
+
+
+def organize_create(call, parent_id, child_id):
+    get_datasource(call.conn, call.account, parent_id, live=True)
+    if call.params["item"] != parent_id:
+        raise InvalidParameter(f"'item' must be the datasource in the path ({parent_id}).",
+                               field="item")
+    existing = call.conn.execute("SELECT id FROM organize WHERE item = ?", (parent_id,)).fetchone()
+    if existing:
+        raise Conflict(f"Datasource {parent_id} already has organize record {existing['id']}; "
+                       "change it with POST.")
+    new_id = insert_record(call.conn, "organize", child_id,
+                           {"item": parent_id, **_columns(call, ("folder", "sortorder"))})
+    return {"id": str(new_id)}
+
+
+def organize_change(call, parent_id, child_id):
+    """Spec rule 4: the datasource ``parent_id`` names the record; ``id`` repeats its id."""
+    get_datasource(call.conn, call.account, parent_id, live=True)
+    row = call.conn.execute("SELECT id FROM organize WHERE item = ?", (parent_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"Datasource {parent_id} has no organize record; create one with PUT.")
+    if call.params["id"] != row["id"]:
+        raise InvalidParameter(f"'id' must be the id of datasource {parent_id}'s organize record "
+                               f"({row['id']}).", field="id")
+    update_record(call.conn, "organize", row["id"], _columns(call, ("folder", "sortorder")))
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -1581,7 +2277,7 @@ def campaign_send(call, parent_id, child_id):
     when = parse_timestamp(call.get("timestamp"))
     report = verify_campaign(call.conn, call.account, parent_id)
     if report["passed"] != "1":
-        failing = [check for check in report["checks"] if not check["passed"]]
+        failing = [check for check in report["checks"] if check["passed"] != "1"]
         raise VerificationFailed(
             f"Campaign {parent_id} fails verification: " + " ".join(
                 check["message"] for check in failing), checks=report["checks"])
@@ -2043,6 +2739,8 @@ _BODY_TYPES = {
               "description": "an email address, or '' for none"},
     "list": {"type": "array"},
     "scalar": {"type": ["string", "number"]},
+    "data": {"type": ["string", "array", "object"], "description": "the upload: CSV text, base64, or "
+             "(for json uploads) an array of objects"},
 }
 
 
@@ -2268,6 +2966,25 @@ ROUTES = [
           summary="Delete datasource", answers=ANSWER_DONE),
 
     # Recipients, field changes, imports, exports, organize
+    Route("GET", "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", recipient_get,
+          _PAGE + " status:active|unsubscribed|bounced"),
+    Route("GET", "/datasource/{parent_id}/modify/{child_id:name}", "write", field_modify,
+          "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True),
+    Route("GET", "/datasource/{parent_id}/import/{child_id:int|all}", "read", import_get, _PAGE),
+    Route("PUT", "/datasource/{parent_id}/import/{child_id}", "create", import_create,
+          "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!"),
+    Route("POST", "/datasource/{parent_id}/import/{child_id}", "write", import_change,
+          "id:int! name:str originalfile:str"),
+    Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", import_delete,
+          "id:int!"),
+    # Not one transaction: _run_export() commits its record around the file.
+    Route("GET", "/datasource/{parent_id}/export/{child_id}", "read", export_get, ""),
+    Route("GET", "/datasource/{parent_id}/organize/{child_id:int|all}", "read", organize_get,
+          _PAGE),
+    Route("PUT", "/datasource/{parent_id}/organize/{child_id}", "create", organize_create,
+          "item:int! folder:str! sortorder:int!"),
+    Route("POST", "/datasource/{parent_id}/organize/{child_id}", "write", organize_change,
+          "id:int! folder:str sortorder:int"),
 
 
     # Messages, segments, sender profiles
@@ -2311,6 +3028,10 @@ ROUTES = [
     # Public routes (no key): downloads, unsubscribe, the OpenAPI document
     Route("GET", "/openapi.json", None, openapi_get,
           summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
+    Route("GET", "/download/{token:name}", None, download, "",
+          summary="Download an export's CSV (the link from the export record)",
+          answers={"description": "The export as a CSV attachment.",
+                   "content": {"text/csv": {"schema": {"type": "string"}}}}),
 
 ]
 

@@ -158,7 +158,8 @@ def test_send_refused_when_verify_fails(api, db):
     campaign = api.put("/campaign/0", name="Empty", accountprofile=99)["id"]
     data = api.put(f"/campaign/{campaign}/send/0", status=409, timestamp=0)
     assert data["error"] == "verification_failed"
-    assert any(not check["passed"] for check in data["checks"])
+    assert any(check["passed"] == "0" for check in data["checks"])
+    assert "sender" in data["message"].lower() or "profile" in data["message"].lower()
     conn = campaignapi.connect(db)
     assert conn.execute("SELECT count(*) FROM batch").fetchone()[0] == 0
     conn.close()
