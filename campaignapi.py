@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import urllib.parse
-import uuid
 
 import bottle
 
@@ -669,12 +668,19 @@ def _same_id(call, name, value):
         raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
 
 
+#: Compact JSON as every answer and stored JSON text is written: one encoder,
+#: made once (json.dumps with options builds a new one per call).
+_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _envelope(response_id, success, data):
     return {"responseId": response_id, "version": 1, "success": success, "data": data}
 
 
 def _prefers_html(accept):
     """True when the Accept header ranks text/html above JSON (a browser)."""
+    if "html" not in (accept or ""):  # API clients: no parsing per request
+        return False
     quality = {}
     for item in (accept or "").split(","):
         media, *options = [part.strip() for part in item.split(";")]
@@ -713,7 +719,7 @@ def _respond(status, envelope, headers=None):
             body=html.escape(json.dumps(envelope, indent=2, ensure_ascii=False)))
     else:
         response.content_type = "application/json"
-        response.body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False)
+        response.body = _to_json(envelope)
     return response
 
 
@@ -732,7 +738,7 @@ def _loggable_path(path, raw_ids):
 
 
 def _new_response_id():
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4().hex, without the UUID object
 
 
 class Service:
@@ -797,9 +803,10 @@ class Service:
             return _error_response(response_id, ApiError(
                 f"Something went wrong on our side; quote responseId {response_id} when reporting it."))
         finally:
-            log.info("%s %s %s %s %.1fms", response_id, request.method,
-                     _loggable_path(request.path, raw_ids), status,
-                     (time.perf_counter() - started) * 1000)
+            if log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
+                log.info("%s %s %s %s %.1fms", response_id, request.method,
+                         _loggable_path(request.path, raw_ids), status,
+                         (time.perf_counter() - started) * 1000)
 
     def unrouted(self):
         """The error for a request that no route takes: 404, or 405 with Allow."""
@@ -1165,7 +1172,6 @@ EXPORT_LIFETIME = datetime.timedelta(days=7)
 #: Header names of the email column, compared without case, spaces, '-' or '_'.
 _EMAIL_COLUMNS = {"email", "emailaddress"}
 _ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
-_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def get_datasource(conn, account, datasource_id, *, live=False):
