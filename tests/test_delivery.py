@@ -284,3 +284,17 @@ def test_worker_command_delivers_notifications_and_stops_on_sigterm(db, smtp_sin
         output = process.communicate(timeout=20)[0].decode()
     assert process.returncode == 0, output
     assert "delivering through" in output
+
+
+@pytest.mark.parametrize("template", [
+    "", "no tags", "{{name}}", "{{ Name }} and {{NAME}}{{unknown}}!", "{{name}} {x} {{ }} }}{{",
+    "<a href='{{url}}'>{{name}}</a>\n", "{{name}}{{name}}"])
+def test_letter_fills_merge_tags_exactly_like_render(template):
+    values = {"Name": '<Zoë & "co">', "url": "https://x/?a=1&b=2", "email": "z@example.org"}
+    letter = campaignapi.Letter("a@example.com", "s", template or " ", template)
+    lowered = {k.lower(): v for k, v in values.items()}
+    expected_text = campaignapi.render(template or " ", values)
+    assert letter.text.fill(lowered) == expected_text
+    if template:
+        assert letter.html.fill(lowered, as_html=True) == campaignapi.render(template, values,
+                                                                              as_html=True)
