@@ -1558,6 +1558,9 @@ class _RateLimit:
             stop.wait(slot - now)
 
 
+_COUNTS = ("sent", "retried", "failed", "bounced", "skipped", "requeued")
+
+
 class _Unreachable(Exception):
     """The SMTP server cannot be reached or dropped the connection."""
 
@@ -1724,7 +1727,7 @@ class _Courier:
 
     def deliver_chunk(self, rows):
         run, results, bounces = self.run, [], []
-        counts = dict.fromkeys(("sent", "retried", "failed", "bounced", "skipped", "requeued"), 0)
+        counts = dict.fromkeys(_COUNTS, 0)
         recipients = self.recipients(rows)
         unreachable = None
         for row in rows:
@@ -1788,20 +1791,24 @@ class _Courier:
         return unreachable
 
 
+def smtp_address(smtp):
+    """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
+    host, _, port = (smtp or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the SMTP server must be given as host:port, not {smtp!r}")
+    return host.strip("[]"), int(port)
+
+
 class _Run:
     """What the connections of one deliver() call share."""
 
-    def __init__(self, db, smtp, options):
+    def __init__(self, db, address, options):
         self.db = db
-        host, _, port = smtp.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"smtp must be 'host:port', not {smtp!r}")
-        self.host, self.port = host.strip("[]"), int(port)
+        self.host, self.port = address
         self.__dict__.update(options)
         self.pace = _RateLimit(self.rate)
         self.lock = threading.Lock()
-        self.counts = dict.fromkeys(("sent", "retried", "failed", "bounced", "skipped",
-                                     "requeued"), 0)
+        self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
 
     def add(self, counts, error):
@@ -1841,6 +1848,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
+    address = smtp_address(smtp)
     conn = connect(db)
     try:
         if secret is None:
@@ -1848,14 +1856,23 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         cutoff = _time_text(now) if now is not None else _now()
         stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - STALE_CLAIM
                  ).strftime("%Y-%m-%d %H:%M:%S")
-        with transaction(conn):
-            conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, claimed_at = NULL "
-                         "WHERE status = 'sending' AND claimed_at < ?", (stale,))
+        # Read first: an idle worker looks every second and should not take
+        # the write lock each time.
+        due, dead = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND next_try <= ?), "
+            "EXISTS (SELECT 1 FROM outbox WHERE status = 'sending' AND claimed_at < ?)",
+            (cutoff, stale)).fetchone()
+        if dead:
+            with transaction(conn):
+                conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
+                             "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
     finally:
         conn.close()
+    if not (due or dead):
+        return {**dict.fromkeys(_COUNTS, 0), "error": None}
     # A claim must be sent well before it goes stale: claim about a minute's work.
     chunk = batch_size if not rate else max(1, min(batch_size, int(rate * 60 / connections)))
-    run = _Run(db, smtp, dict(
+    run = _Run(db, address, dict(
         starttls=starttls, username=username, password=password, rate=rate, chunk=chunk,
         worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}",
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
@@ -2092,6 +2109,11 @@ def _add_delivery_options(parser):
 
 def _worker_options(args):
     """run_worker() keyword arguments from the command line."""
+    if args.smtp:
+        try:
+            smtp_address(args.smtp)
+        except ValueError as error:
+            sys.exit(f"error: --smtp: {error}")
     dkim = None
     given = [args.dkim_domain, args.dkim_selector, args.dkim_key]
     if any(given):

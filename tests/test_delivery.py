@@ -229,6 +229,62 @@ def test_login_when_configured(db, seed_campaign):
         sink.stop()
 
 
+def _self_signed_certificate(directory):
+    """A certificate for 127.0.0.1 (its own CA) and its key, as PEM files."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def test_starttls_checks_the_certificate_and_encrypts(db, seed_campaign, tmp_path, monkeypatch):
+    import ssl
+
+    cert, key = _self_signed_certificate(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    sink = SmtpSink(tls_context=context, require_starttls=True).start()
+    encrypted = []
+    original = sink.handle_DATA
+
+    async def handle_data(server, session, envelope):
+        encrypted.append(session.ssl is not None)
+        return await original(server, session, envelope)
+
+    sink.handle_DATA = handle_data
+    try:
+        seed_campaign([("tls@example.org", "T")])
+        # An unknown certificate is refused: nothing is sent, the row waits.
+        counts = campaignapi.deliver(db, sink.address, starttls=True)
+        assert counts["requeued"] == 1 and "CERTIFICATE_VERIFY_FAILED" in counts["error"]
+        monkeypatch.setenv("SSL_CERT_FILE", cert)  # trust it, as a system CA store would
+        counts = campaignapi.deliver(db, sink.address, starttls=True, now=later(60))
+        assert counts["sent"] == 1 and encrypted == [True]
+    finally:
+        sink.stop()
+
+
 def _rsa_key():
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
