@@ -2,7 +2,8 @@
 
 ``sink.replies[address] = ["451 4.3.0 try later"]`` answers the next RCPT TO
 of that address with each reply in turn (then accepts it);
-``sink.always[address] = "550 5.1.1 no such user"`` answers it every time.
+``sink.always[address] = "550 5.1.1 no such user"`` answers it every time;
+``sink.after_data[address]`` answers the end of DATA instead of accepting.
 """
 
 import email
@@ -22,7 +23,7 @@ def free_port():
 class SmtpSink:
     def __init__(self, **controller_options):
         self.messages = []          # (mail_from, [rcpt], raw bytes), in arrival order
-        self.replies, self.always = {}, {}
+        self.replies, self.always, self.after_data = {}, {}, {}
         self.lock = threading.Lock()
         self.port = free_port()
         self.controller = Controller(self, hostname="127.0.0.1", port=self.port,
@@ -51,6 +52,9 @@ class SmtpSink:
 
     async def handle_DATA(self, server, session, envelope):
         with self.lock:
+            refusal = self.after_data.get(envelope.rcpt_tos[0])
+            if refusal:
+                return refusal
             self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
         return "250 OK"
 

@@ -140,6 +140,19 @@ def test_other_5xx_fails_without_bounce(db, smtp_sink, seed_campaign):
     assert rows(db, "SELECT status FROM recipient") == [{"status": "active"}]
 
 
+def test_replies_at_the_end_of_data_and_421_keep_the_run_going(db, smtp_sink, seed_campaign):
+    seed_campaign([("spam@example.org", "S"), ("closing@example.org", "C"),
+                   ("ok@example.org", "O")])
+    smtp_sink.after_data["spam@example.org"] = "554 5.7.1 looks like spam"
+    smtp_sink.replies["closing@example.org"] = ["421 4.3.2 shutting down"]
+    counts = campaignapi.deliver(db, smtp_sink.address)
+    assert (counts["failed"], counts["retried"], counts["sent"], counts["bounced"]) == (1, 1, 1, 0)
+    assert [(r["to_addr"], r["status"]) for r in rows(db)] == [
+        ("spam@example.org", "failed"), ("closing@example.org", "queued"),
+        ("ok@example.org", "sent")]
+    assert list(smtp_sink.parsed()) == ["ok@example.org"]
+
+
 def test_two_workers_in_parallel_never_send_a_row_twice(db, smtp_sink, seed_campaign):
     seed_campaign([(f"user{i}@example.org", f"U{i}") for i in range(240)])
     results = []
@@ -354,3 +367,21 @@ def test_letter_fills_merge_tags_exactly_like_render(template):
     if template:
         assert letter.html.fill(lowered, as_html=True) == campaignapi.render(template, values,
                                                                               as_html=True)
+
+
+def test_run_worker_delivers_only_with_smtp_and_stops_when_told(db, smtp_sink, seed_campaign):
+    seed_campaign([("w@example.org", "W")])
+    for smtp in (None, smtp_sink.address):
+        stop = threading.Event()
+        worker = threading.Thread(target=campaignapi.run_worker, args=(db, stop),
+                                  kwargs={"smtp": smtp, "interval": 0.05})
+        worker.start()
+        deadline = time.monotonic() + 10
+        while smtp and time.monotonic() < deadline and smtp_sink.count() == 0:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        stop.set()
+        worker.join(5)
+        assert not worker.is_alive()
+        assert rows(db)[0]["status"] == ("sent" if smtp else "queued")
+    assert smtp_sink.count() == 1
