@@ -2656,6 +2656,8 @@ RETRY_BASE, RETRY_CAP = 30, 3600
 #: Seconds before rows are tried again after the SMTP server could not be reached.
 CONNECTION_RETRY = 30
 MAX_ATTEMPTS = 8
+#: Seconds between progress lines in the log while a delivery runs.
+PROGRESS_INTERVAL = 10
 
 
 def default_mail_from():
@@ -3221,12 +3223,31 @@ class _Run:
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
+        self.reported = dict(self.counts)
+        self.next_report = time.monotonic() + PROGRESS_INTERVAL
 
     def add(self, counts, error):
         with self.lock:
             for name, value in counts.items():
                 self.counts[name] += value
             self.error = error or self.error
+            if time.monotonic() >= self.next_report:
+                self.report()
+
+    def report(self):
+        """Log progress of a long delivery: what this interval did, and the totals."""
+        done = {name: self.counts[name] - self.reported[name] for name in self.counts}
+        self.reported, self.next_report = dict(self.counts), time.monotonic() + PROGRESS_INTERVAL
+        conn = connect(self.db)
+        try:
+            queued = conn.execute("SELECT count(*) FROM outbox WHERE status IN "
+                                  "('queued', 'sending')").fetchone()[0]
+        finally:
+            conn.close()
+        log.info("delivery progress: %s sent, %s failed, %s retried in the last %ss; "
+                 "%s sent and %s failed in all; %s still queued", done["sent"], done["failed"],
+                 done["retried"], PROGRESS_INTERVAL, self.counts["sent"], self.counts["failed"],
+                 queued)
 
 
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,

@@ -385,3 +385,15 @@ def test_run_worker_delivers_only_with_smtp_and_stops_when_told(db, smtp_sink, s
         assert not worker.is_alive()
         assert rows(db)[0]["status"] == ("sent" if smtp else "queued")
     assert smtp_sink.count() == 1
+
+
+def test_long_deliveries_log_progress_per_interval(db, smtp_sink, seed_campaign, monkeypatch,
+                                                   caplog):
+    seed_campaign([(f"user{i}@example.org", f"U{i}") for i in range(30)])
+    monkeypatch.setattr(campaignapi, "PROGRESS_INTERVAL", 0)
+    with caplog.at_level("INFO", logger="campaignapi"):
+        campaignapi.deliver(db, smtp_sink.address, batch_size=10)
+    lines = [r.getMessage() for r in caplog.records if "delivery progress" in r.getMessage()]
+    assert len(lines) == 3
+    assert lines[0].startswith("delivery progress: 10 sent, 0 failed")
+    assert lines[-1].endswith("30 sent and 0 failed in all; 0 still queued")
