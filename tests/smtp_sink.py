@@ -69,3 +69,12 @@ class SmtpSink:
     def count(self):
         with self.lock:
             return len(self.messages)
+
+
+class PipeliningSink(SmtpSink):
+    """The same, offering PIPELINING (RFC 2920) as real relays do; records
+    how the commands of each transaction arrived."""
+
+    async def handle_EHLO(self, server, session, envelope, hostname, responses):
+        session.host_name = hostname
+        return responses[:-1] + ["250-PIPELINING", responses[-1]]
