@@ -1430,28 +1430,46 @@ class _Importer:
         self.inserted += len(pending) - len(known)
         self.updated += len(touched)
         self.conn.executemany("INSERT INTO temp.import_touched (id) VALUES (?)", touched)
-        # The JSON of each row's data is built here and the chunk's new rows
-        # go to SQLite as one JSON array: the hot loop of an import, and
-        # building JSON per row in SQL cost twice as much.  A blank value
-        # (only whitespace, as convert_value() has it) is no value: left out
-        # of a new row, removed (null in json_patch) from a known one.
         now, inserts, updates = _now(), [], []
         for folded, (address, keys, values) in pending.items():
             recipient_id = known.get(folded)
             if recipient_id is None:
-                inserts.append((address, {key: value for key, value in zip(keys, values)
-                                          if value is not None and str(value).strip()}))
-            else:
-                updates.append((now, _to_json({
-                    key: value if value is not None and str(value).strip() else None
-                    for key, value in zip(keys, values)}), recipient_id))
-        self.conn.execute(
+                inserts.append((self.datasource, address, self.import_id, now,
+                                _data_json(keys, values)))
+            else:  # blank values remove what the recipient had
+                updates.append((now, _data_json(keys, values, blank="null"), recipient_id))
+        self.conn.executemany(
             "INSERT INTO recipient (datasource, email, import, created, updated, data) "
-            "SELECT ?1, json_extract(value, '$[0]'), ?2, ?3, ?3, json_extract(value, '$[1]') "
-            "FROM json_each(?4) ORDER BY key",
-            (self.datasource, self.import_id, now, _to_json(inserts)))
+            "VALUES (?1, ?2, ?3, ?4, ?4, ?5)", inserts)
         self.conn.executemany(
             "UPDATE recipient SET updated = ?, data = json_patch(data, ?) WHERE id = ?", updates)
+
+
+_json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, like _to_json
+
+
+def _data_json(keys, values, *, blank=None):
+    """The JSON object text of field values for recipient.data, keyed by the
+    field ids ``keys``.  A blank value (None, or only whitespace as
+    convert_value() has it) is left out, or written as ``null`` when
+    ``blank="null"`` (json_patch then removes the key).
+
+    Written by hand, each value encoded by the json module, because it runs
+    for every imported row: a dict and its encoding cost three times as much
+    (and building the JSON in SQL, four).
+    """
+    members = []
+    for key, value in zip(keys, values):
+        if value.__class__ is str:
+            if value and not value.isspace():
+                members.append(f'"{key}":{_json_string(value)}')
+                continue
+        elif value is not None:
+            members.append(f'"{key}":{_to_json(value)}')
+            continue
+        if blank:
+            members.append(f'"{key}":{blank}')
+    return "{" + ",".join(members) + "}"
 
 
 def _picker(indexes):
