@@ -621,9 +621,11 @@ def _read_params(route, environ, limit):
         if content_type != "application/json":
             raise UnsupportedMediaType("Send parameters as JSON with Content-Type: application/json.")
         try:
-            document = json.loads(body)
+            # Decoded here, strictly: json.loads(bytes) would pass encoded
+            # surrogates (b"\xed\xa0\x80") through as lone surrogates.
+            document = json.loads(body.decode("utf-8-sig"))
         except (ValueError, RecursionError):
-            raise InvalidJson("The request body is not valid JSON.") from None
+            raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
         if _SURROGATE_ESCAPE.search(body):
             # A \uD800-\uDFFF escape that is not half of a pair decodes to a
             # lone surrogate, which SQLite and UTF-8 output cannot hold.
@@ -704,7 +706,7 @@ def _respond(status, envelope, headers=None):
     """The HTTP response for an envelope: JSON, or a small page for a browser."""
     response = bottle.HTTPResponse(status=status, headers=headers or {})
     response.set_header("X-Response-Id", envelope["responseId"])
-    if _prefers_html(bottle.request.get_header("Accept")):
+    if _prefers_html(_header("Accept")):
         title = "success" if envelope["success"] else envelope["data"].get("error", "error")
         response.content_type = "text/html; charset=utf-8"
         response.body = _HTML_PAGE.format(
@@ -719,6 +721,22 @@ def _respond(status, envelope, headers=None):
 def _error_response(response_id, error):
     """The one place an error becomes an envelope."""
     return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
+
+
+def _header(name):
+    """A request header as the server gave it (latin-1 text).  Not bottle's
+    get_header(), which re-decodes it as UTF-8 and raises on other bytes."""
+    return bottle.request.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
+
+
+def _check_path(environ):
+    """Refuse a path that is not UTF-8: bottle decodes it dropping the bad
+    bytes, so '/campaign/%FF1' would otherwise reach campaign 1."""
+    raw = environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))  # PEP 3333: latin-1
+    try:
+        raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise NotFound("There is no such route: the path is not valid UTF-8.") from None
 
 
 def _loggable_path(path, raw_ids):
@@ -764,10 +782,11 @@ class Service:
         started = time.perf_counter()
         status = 500
         try:
+            _check_path(request.environ)
             conn = self.conn()
             account = None
             if route.level:
-                key = authenticate(conn, request.get_header("Authorization"))
+                key = authenticate(conn, _header("Authorization"))
                 require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
@@ -1084,8 +1103,8 @@ def convert_value(kind, value):
     if kind == "text":
         return str(value)
     if kind == "integer":
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+            return int(value)  # 12.0 from JSON; not 1e300, which SQLite cannot hold
         if re.fullmatch(r"[+-]?\d{1,18}", text):
             return int(text)
         raise ValueError(f"'{text}' is not a whole number")
@@ -2441,7 +2460,13 @@ def _condition_sql(column, kind, op, value):
         if op == "contains":
             return f"instr(lower({column}), ?) > 0", (needle,)
         return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
-    typed = convert_value(kind if kind != "email" else "text", value)
+    try:
+        typed = convert_value(kind if kind != "email" else "text", value)
+    except ValueError:
+        # Checked when stored, but the field has been retyped since: no value
+        # of its new type equals this one (so only 'ne' holds), none is above
+        # or below it.  Never an error: sizes, verify and sending must go on.
+        return ("1" if op == "ne" else "0"), ()
     if kind in ("text", "email") and typed is not None:
         column, typed = f"lower({column})", str(typed).lower()
     if op == "eq":
@@ -2458,8 +2483,8 @@ def segment_filter(conn, datasources, match, conditions):
 
     In a datasource that lacks a condition's field, every recipient's value
     is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
-    for a recipient without a value.  ValueError when a condition's value does
-    not fit its field's type.
+    for a recipient without a value.  A value that no longer fits its field's
+    type (the field was retyped) equals no value.
     """
     if not datasources:
         return "0", ()
@@ -2525,6 +2550,8 @@ def _checked_conditions(conn, datasources, given):
             continue
         if isinstance(value, bool):
             value = int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+            value = int(value)  # 5.0 is 5; str(1e300) would be '1e+300'
         if not isinstance(value, (str, int, float)) or str(value).strip() == "" \
                 or any(c in str(value) for c in "\r\n\x00"):
             raise InvalidParameter(f"{where}.value must be a non-empty single-line string or "
@@ -2533,7 +2560,7 @@ def _checked_conditions(conn, datasources, given):
         if op not in ("contains", "startswith"):
             for kind in sorted(kinds - {"email", "text"}):
                 try:
-                    convert_value(kind, value)
+                    convert_value(kind, str(value))  # as it is stored and used
                 except ValueError as error:
                     raise InvalidParameter(f"{where}.value does not fit the {kind} field "
                                            f"'{name}': {error}.", field="conditions") from None
