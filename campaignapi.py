@@ -15,6 +15,7 @@ Embedded in another application::
 On its own, from the command line::
 
     $ python campaignapi.py --port 8080                 # serve (creates a key on first run)
+    $ python campaignapi.py worker --smtp relay.example.com:587 --starttls   # delivery alone
     $ python campaignapi.py key create --email me@example.com --levels read
     $ curl -H "Authorization: Bearer $SECRET" http://127.0.0.1:8080/v1/campaign/all
 """
@@ -28,7 +29,12 @@ import codecs
 import contextlib
 import csv
 import datetime
+import email.errors
+import email.headerregistry
+import email.policy
+import email.utils
 import hashlib
+import hmac
 import html
 import importlib.metadata
 import io
@@ -39,7 +45,11 @@ import operator
 import os
 import re
 import secrets
+import signal
+import smtplib
+import socket
 import sqlite3
+import ssl
 import sys
 import threading
 import time
@@ -509,18 +519,23 @@ class Route:
     describes its success data there: a record kind's name, a JSON schema of
     ``data``, or a whole OpenAPI response object (with ``content``) for a
     route that answers something other than the envelope.
+
+    ``reads_body=False``: the route takes no parameters from the body and
+    ignores whatever body comes (an HTML form post, an RFC 8058 one-click
+    unsubscribe), instead of answering 415 for a body that is not JSON.
     """
 
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
     def __init__(self, method, path, level, handler, params="", writes=None, summary=None,
-                 answers=None):
+                 answers=None, reads_body=True):
         self.method, self.path, self.level, self.handler = method, path, level, handler
         # For the OpenAPI document only: a one-line title, and what ``data``
         # holds on success (see openapi_document()).
         self.summary, self.answers = summary, answers
         self.params = {p.name: p for p in map(Param, params.split())}
         self.writes = method != "GET" if writes is None else writes
+        self.reads_body = reads_body
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
@@ -615,7 +630,7 @@ def _read_params(route, environ, limit):
         if name in given:
             raise InvalidParameter(f"The parameter '{name}' is given twice.", field=name)
         given[name] = value
-    body = _read_body(environ, limit)
+    body = _read_body(environ, limit) if route.reads_body else b""
     if body.strip():
         content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
         if content_type != "application/json":
@@ -2661,7 +2676,739 @@ def account_email(conn, account):
 # Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
 # ---------------------------------------------------------------------------
 
-# (sending issue)
+#: A claim older than this belongs to a worker that died; its rows are queued again.
+STALE_CLAIM = datetime.timedelta(minutes=10)
+#: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
+RETRY_BASE, RETRY_CAP = 30, 3600
+#: Seconds before rows are tried again after the SMTP server could not be reached.
+CONNECTION_RETRY = 30
+MAX_ATTEMPTS = 8
+#: Seconds between progress lines in the log while a delivery runs.
+PROGRESS_INTERVAL = 10
+
+
+def default_mail_from():
+    """The sender of notifications and archive copies unless one is configured."""
+    return f"campaignapi@{socket.gethostname() or 'localhost'}"
+
+
+def _time_text(moment):
+    """A time as stored ('YYYY-MM-DD HH:MM:SS' UTC) from a datetime or that text."""
+    if moment is None:
+        return _now()
+    if isinstance(moment, datetime.datetime):
+        if moment.tzinfo is not None:
+            moment = moment.astimezone(datetime.timezone.utc)
+        return moment.strftime("%Y-%m-%d %H:%M:%S")
+    return str(moment)
+
+
+def _shift(moment_text, seconds):
+    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
+    return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# Unsubscribe tokens: signed, not stored. ------------------------------------
+
+def _b64(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text):
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _token_mac(secret, payload):
+    # 128 bits of HMAC-SHA256 keep the link short and still unforgeable.
+    return hmac.new(secret.encode("utf-8"), b"unsubscribe:" + payload, hashlib.sha256).digest()[:16]
+
+
+def unsubscribe_token(secret, account, address, campaign=None):
+    """A token naming ``address`` of ``account`` (and the campaign that mailed
+    it), signed with ``secret``: base64url(payload) "." base64url(mac)."""
+    payload = f"{account}:{campaign or ''}:{address}".encode("utf-8")
+    return f"{_b64(payload)}.{_b64(_token_mac(secret, payload))}"
+
+
+def read_unsubscribe_token(secret, token):
+    """``(account, address, campaign or None)`` of a token we signed, else None."""
+    try:
+        payload_text, mac_text = token.split(".")
+        payload, mac = _unb64(payload_text), _unb64(mac_text)
+        if not hmac.compare_digest(mac, _token_mac(secret, payload)):
+            return None
+        account, campaign, address = payload.decode("utf-8").split(":", 2)
+        return int(account), address, int(campaign) if campaign else None
+    except (ValueError, binascii.Error):
+        return None
+
+
+def unsubscribe_url(secret, base, account, address, campaign=None):
+    """The one-click unsubscribe link of ``address`` for the account's mail.
+
+    :param base: where the API is reachable (public_url or a batch's base_url).
+    """
+    return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
+
+
+def suppress(conn, account, address, reason, campaign=None):
+    """Stop the account's campaigns reaching ``address``: a suppression row
+    and the status of every recipient row of the account with that address.
+
+    :param reason: 'unsubscribed' (replaces a bounce) or 'bounced' (never
+        replaces an unsubscribe).
+    """
+    conn.execute(
+        "INSERT INTO suppression (account, email, reason, campaign, created) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT (account, email) DO UPDATE SET reason = excluded.reason, "
+        "campaign = excluded.campaign, created = excluded.created "
+        "WHERE excluded.reason = 'unsubscribed' AND suppression.reason = 'bounced'",
+        (account, address, reason, campaign, _now()))
+    replaces = "bounced" if reason == "unsubscribed" else "active"
+    conn.execute(
+        "UPDATE recipient SET status = ?, updated = ? WHERE email = ? "
+        "AND status IN ('active', ?) AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
+        (reason, _now(), address, replaces, account))
+
+
+_UNSUBSCRIBE_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
+<title>{title}</title>
+<style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;color:#222}}
+button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}</style></head>
+<body><h1>{title}</h1>{body}</body></html>
+"""
+
+
+def _page_response(title, body, status=200):
+    return bottle.HTTPResponse(
+        _UNSUBSCRIBE_PAGE.format(title=html.escape(title), body=body), status=status,
+        headers={"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
+                 "X-Robots-Tag": "noindex"})
+
+
+def _unsubscribe_subject(call, token):
+    subject = read_unsubscribe_token(call.service.secret, token)
+    if subject is None:
+        raise NotFound("This unsubscribe link is not valid; copy the whole link from the email.")
+    return subject
+
+
+def unsubscribe_page(call, token):
+    # GET never unsubscribes: mail scanners and link previews fetch links.
+    _, address, _ = _unsubscribe_subject(call, token)
+    return _page_response("Unsubscribe", (
+        f"<p>Stop sending emails to <strong>{html.escape(address)}</strong>?</p>"
+        '<form method="post"><input type="hidden" name="List-Unsubscribe" value="One-Click">'
+        '<button type="submit">Unsubscribe</button></form>'))
+
+
+def unsubscribe_post(call, token):
+    # RFC 8058 one-click, and the confirm button of the page: both at once.
+    account, address, campaign = _unsubscribe_subject(call, token)
+    suppress(call.conn, account, address, "unsubscribed", campaign)
+    return _page_response("Unsubscribed", (
+        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails.</p>"))
+
+
+# MIME: the fixed part of an email is encoded once by the email package; what
+# differs per recipient is joined to it as bytes (building a whole
+# EmailMessage costs more than sending it).  ------------------------------------
+
+_POLICY = email.policy.SMTP
+_LINE_BREAK = re.compile(r"[\r\n]+")
+_LONG_LINE = re.compile(rb"[^\n]{999}")
+
+
+def _header(name, value):
+    """One header line as bytes: encoded (RFC 2047) and folded when needed."""
+    value = _LINE_BREAK.sub(" ", str(value)).strip()
+    if value.isascii() and (len(name) + len(value) <= 76 or " " not in value):
+        return f"{name}: {value}\r\n".encode("ascii")
+    return _POLICY.header_factory(name, value).fold(policy=_POLICY).encode("ascii")
+
+
+def _address_header(name, display_name, address):
+    try:
+        value = str(email.headerregistry.Address(display_name=display_name, addr_spec=address))
+    except (ValueError, IndexError, email.errors.MessageError):
+        value = address
+    return _header(name, value)
+
+
+def _mime_part(content, subtype):
+    """A text/* part: 7bit when it is short-lined ASCII, else quoted-printable."""
+    if "\r" in content:
+        content = content.replace("\r\n", "\n").replace("\r", "\n")
+    data = content.encode("utf-8")
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    if data.isascii() and not _LONG_LINE.search(data):
+        encoding = b"7bit"
+    else:
+        encoding, data = b"quoted-printable", binascii.b2a_qp(data, istext=True)
+    return (b"Content-Type: text/" + subtype + b'; charset="utf-8"\r\n'
+            b"Content-Transfer-Encoding: " + encoding + b"\r\n\r\n" + data.replace(b"\n", b"\r\n"))
+
+
+class _Template:
+    """A merge template split once into text and tag names; fill() gives what
+    render() gives, at a fraction of the cost, for recipient after recipient."""
+
+    def __init__(self, template):
+        pieces = _MERGE_TAG.split(template or "")
+        self.texts, self.names = pieces[0::2], [name.lower() for name in pieces[1::2]]
+
+    def fill(self, values, *, as_html=False):
+        """:param values: ``{lower-case name: str}``."""
+        if not self.names:
+            return self.texts[0]
+        if as_html:
+            values = {name: html.escape(values.get(name, ""), quote=True)
+                      for name in set(self.names)}
+        out = [self.texts[0]]
+        for name, text in zip(self.names, self.texts[1:]):
+            out += (values.get(name, ""), text)
+        return "".join(out)
+
+
+class _Literal(_Template):
+    """Text used as it is (a notification's body: braces are not tags)."""
+
+    def __init__(self, text):
+        self.texts, self.names = [text], []
+
+
+class Letter:
+    """One kind of email (a sender and a message's templates), ready to be
+    built for each recipient with build()."""
+
+    def __init__(self, sender, subject, text, html_body="", *, from_name="", reply_to="",
+                 list_id=None, templated=True):
+        """:param templated: fill merge tags from the values given to build()."""
+        self.sender = sender
+        self.domain = sender.rpartition("@")[2] or "localhost"
+        self.subject = _Template(subject) if templated and merge_tags(subject) else None
+        head = [_address_header("From", from_name, sender)]
+        if reply_to:
+            head.append(_address_header("Reply-To", "", reply_to))
+        if self.subject is None:
+            head.append(_header("Subject", subject))
+        if list_id:
+            head.append(_header("List-Id", list_id))
+        head.append(b"MIME-Version: 1.0\r\n")
+        self.head = b"".join(head)
+        if not text and not html_body:
+            text = " "
+        wrap = _Template if templated else _Literal
+        self.text = wrap(text) if text else None
+        self.html = wrap(html_body) if html_body else None
+        self.boundary = ("=_" + secrets.token_hex(16)).encode("ascii")
+
+    def build(self, to_addr, values=None, unsubscribe=None):
+        """The email to ``to_addr`` as bytes (RFC 5322, CRLF line ends).
+
+        :param values: merge values, ``{name: str}``; names without case.
+        """
+        values = {name.lower(): str(value) for name, value in (values or {}).items()}
+        head = [self.head, _header("To", to_addr), b"Date: ", email.utils.formatdate(usegmt=True).encode(),
+                b"\r\nMessage-ID: ", email.utils.make_msgid(domain=self.domain).encode(), b"\r\n"]
+        if self.subject is not None:
+            head.append(_header("Subject", self.subject.fill(values)))
+        if unsubscribe:
+            head.append(_header("List-Unsubscribe", f"<{unsubscribe}>"))
+            head.append(b"List-Unsubscribe-Post: List-Unsubscribe=One-Click\r\n")
+        parts = []
+        if self.text:
+            parts.append(_mime_part(self.text.fill(values), b"plain"))
+        if self.html:
+            parts.append(_mime_part(self.html.fill(values, as_html=True), b"html"))
+        if len(parts) == 1:
+            return b"".join(head) + parts[0]
+        # The CRLF before a boundary belongs to the boundary (RFC 2046), so
+        # each part's own last line end is kept by a second one.
+        marker = b"--" + self.boundary
+        body = b"".join(marker + b"\r\n" + part + b"\r\n" for part in parts) + marker + b"--\r\n"
+        return (b"".join(head) + b'Content-Type: multipart/alternative; boundary="' + self.boundary
+                + b'"\r\n\r\n' + body)
+
+
+def dkim_signer(domain, selector, private_key):
+    """A function that prepends a DKIM-Signature to an email (needs dkimpy).
+
+    :param private_key: the RSA private key, PEM bytes.
+    """
+    import dkim  # optional dependency: pip install campaignapi[dkim]
+
+    domain, selector = domain.encode("ascii"), selector.encode("ascii")
+    # RFC 8058: the one-click header must be covered by the signature.
+    headers = list(dkim.DKIM.SHOULD) + [b"list-unsubscribe-post"]
+
+    def sign(message):
+        return dkim.sign(message, selector, domain, private_key, include_headers=headers,
+                         canonicalize=(b"relaxed", b"relaxed")) + message
+
+    return sign
+
+
+# SMTP delivery ---------------------------------------------------------------
+
+class _RateLimit:
+    """A global pace for all connections: at most ``rate`` emails a second."""
+
+    def __init__(self, rate):
+        self.interval = 1.0 / rate if rate else 0.0
+        self.next = time.monotonic()
+        self.lock = threading.Lock()
+
+    def wait(self, stop):
+        if not self.interval:
+            return
+        with self.lock:
+            now = time.monotonic()
+            slot = max(now, self.next)
+            self.next = slot + self.interval
+        if slot > now:
+            stop.wait(slot - now)
+
+
+_COUNTS = ("sent", "retried", "failed", "bounced", "skipped", "requeued")
+
+
+class _Unreachable(Exception):
+    """The SMTP server cannot be reached or dropped the connection."""
+
+
+def _transact(smtp, sender, recipient, data):
+    """One mail transaction on an open connection: None when the email is
+    accepted, else the refusing ``(code, reply)``.
+
+    The exchange of smtplib's sendmail(), without what it repeats for every
+    email: parsing both addresses again (ours are checked) and dot-stuffing
+    with a regular expression (our line ends are all CRLF).
+    """
+    code, reply = smtp.docmd("MAIL", f"FROM:<{sender}>")
+    if code == 250:
+        code, reply = smtp.docmd("RCPT", f"TO:<{recipient}>")
+        if code in (250, 251):
+            code, reply = smtp.docmd("DATA")
+            if code == 354:
+                smtp.send(data.replace(b"\n.", b"\n..") + b".\r\n")
+                code, reply = smtp.getreply()
+                # After the final dot the transaction is over either way.
+                return None if code == 250 else (code, reply)
+    if code != 421:  # 421: the server is closing; nothing to reset
+        smtp.docmd("RSET")
+    return code, reply
+
+
+class _Courier:
+    """One SMTP connection with its own database connection: claims rows of
+    the outbox, sends them, records what happened."""
+
+    def __init__(self, run):
+        self.run = run
+        self.conn = connect(run.db)
+        self.smtp = None
+        self.letters, self.fields = {}, {}  # per (batch, message) and per datasource
+
+    # The database side.
+
+    def claim(self):
+        due = self.run.now or _now()
+        with transaction(self.conn):
+            return self.conn.execute(
+                "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
+                "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
+                "ORDER BY next_try LIMIT ?) AND status = 'queued' "
+                "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
+                "html, attempts", (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
+
+    def recipients(self, rows):
+        ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
+        if not ids:
+            return {}
+        marks = ", ".join("?" * len(ids))
+        return {r["id"]: r for r in self.conn.execute(
+            "SELECT r.id, r.datasource, r.email, r.data, r.status, s.reason AS suppressed "
+            "FROM recipient r JOIN datasource d ON d.id = r.datasource "
+            "LEFT JOIN suppression s ON s.account = d.owner AND s.email = r.email "
+            f"WHERE r.id IN ({marks})", ids)}
+
+    def record(self, results, bounces):
+        with transaction(self.conn):
+            self.conn.executemany(
+                "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
+                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL WHERE id = ?", results)
+            for account, address, campaign in bounces:
+                suppress(self.conn, account, address, "bounced", campaign)
+
+    # Building the emails.
+
+    def campaign_letter(self, batch_id, message_id):
+        key = (batch_id, message_id)
+        letter = self.letters.get(key)
+        if letter is None:
+            batch = self.conn.execute(
+                "SELECT b.base_url, c.id AS campaign, c.owner, c.accountprofile "
+                "FROM batch b JOIN campaign c ON c.id = b.campaign WHERE b.id = ?",
+                (batch_id,)).fetchone()
+            message = self.conn.execute("SELECT * FROM message WHERE id = ?",
+                                        (message_id,)).fetchone()
+            if batch is None or message is None:
+                raise LookupError(f"batch {batch_id} or message {message_id} does not exist")
+            # The content as the batch archived it when it was made, so an edit
+            # of the message after the send changes no email still queued.
+            sent_as = self.conn.execute(
+                "SELECT subject, html, text FROM batch_message WHERE batch = ? AND message = ?",
+                (batch_id, message_id)).fetchone() or message
+            profile = self.conn.execute(
+                "SELECT fromname, fromaddress, replyto FROM accountprofile WHERE id = ?",
+                (batch["accountprofile"],)).fetchone()
+            profile = dict(profile) if profile else {}
+
+            def pick(name):
+                return message[name] or profile.get(name) or ""
+
+            letter = Letter(pick("fromaddress") or self.run.mail_from, sent_as["subject"],
+                            sent_as["text"], sent_as["html"], from_name=pick("fromname"),
+                            reply_to=pick("replyto"),
+                            list_id=f"<campaign-{batch['campaign']}.{batch['owner']}.campaignapi>")
+            letter.campaign, letter.account = batch["campaign"], batch["owner"]
+            letter.base = (batch["base_url"] or self.run.public_url).rstrip("/")
+            self.letters[key] = letter
+        return letter
+
+    def datasource_fields(self, datasource):
+        fields = self.fields.get(datasource)
+        if fields is None:
+            fields = self.fields[datasource] = datasource_fields(self.conn, datasource)
+        return fields
+
+    def build(self, row, recipients):
+        """``(sender, email bytes)``, or None when the row must not be sent."""
+        if row["kind"] != "campaign":
+            letter = Letter(self.run.mail_from, row["subject"] or "", row["body"] or "",
+                            row["html"] or "", templated=False)
+            return letter.sender, letter.build(row["to_addr"])
+        recipient = recipients.get(row["recipient"])
+        if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
+            return None
+        letter = self.campaign_letter(row["batch"], row["message"])
+        values = recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
+        link = None
+        if letter.base:
+            link = unsubscribe_url(self.run.secret, letter.base, letter.account, row["to_addr"],
+                                   letter.campaign)
+        values["unsubscribe_url"] = link or ""
+        return letter.sender, letter.build(row["to_addr"], values, link)
+
+    # The SMTP side.
+
+    def connect(self):
+        run = self.run
+        try:
+            smtp = smtplib.SMTP(run.host, run.port, timeout=run.timeout)
+            try:
+                smtp.ehlo()
+                if run.starttls:
+                    smtp.starttls(context=ssl.create_default_context())
+                    smtp.ehlo()
+                if run.username:
+                    smtp.login(run.username, run.password or "")
+            except BaseException:
+                smtp.close()
+                raise
+        except (OSError, smtplib.SMTPException) as error:
+            raise _Unreachable(f"cannot reach SMTP server {run.host}:{run.port}: {error}") from None
+        self.smtp = smtp
+
+    def hang_up(self, polite=True):
+        if self.smtp is not None:
+            try:
+                self.smtp.quit() if polite else self.smtp.close()
+            except (OSError, smtplib.SMTPException):
+                self.smtp.close()
+            self.smtp = None
+
+    def send(self, sender, to_addr, data):
+        """None when accepted, else ``(code, reply text)``; _Unreachable when
+        the connection is lost."""
+        if self.smtp is None:
+            self.connect()
+        try:
+            answer = _transact(self.smtp, sender, to_addr, data)
+        except (OSError, smtplib.SMTPException) as error:
+            self.hang_up(polite=False)
+            raise _Unreachable(f"SMTP connection lost: {error}") from None
+        if answer is None:
+            return None
+        code, reply = answer
+        reply = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
+        if code == 530:  # a configuration problem, not this email's: keep the queue
+            self.hang_up(polite=False)
+            raise _Unreachable(f"the SMTP server wants a login: {code} {reply}")
+        if code == 421:  # the server is closing this connection
+            self.hang_up(polite=False)
+        return code, reply
+
+    # One connection's share of the run.
+
+    def deliver(self):
+        run = self.run
+        try:
+            while not run.stop.is_set():
+                rows = self.claim()
+                if not rows or self.deliver_chunk(rows):
+                    return  # done, or the server is unreachable: leave the rest queued
+        finally:
+            self.hang_up()
+            self.conn.close()
+
+    def deliver_chunk(self, rows):
+        run, results, bounces = self.run, [], []
+        counts = dict.fromkeys(_COUNTS, 0)
+        recipients = self.recipients(rows)
+        unreachable = None
+        for row in rows:
+            attempts = row["attempts"] + 1
+            if unreachable or run.stop.is_set():
+                # Not tried: back to the queue as it was (later if the server is down).
+                results.append(("queued", row["attempts"], unreachable and _shift(_now(), CONNECTION_RETRY),
+                                unreachable, None, row["id"]))
+                counts["requeued"] += 1
+                continue
+            try:
+                built = self.build(row, recipients)
+            except Exception as error:  # bad data in this row must not stop the others
+                log.exception("outbox %s cannot be built", row["id"])
+                results.append(("failed", attempts, None, f"cannot build the email: {error}", None,
+                                row["id"]))
+                counts["failed"] += 1
+                continue
+            if built is None:
+                results.append(("skipped", row["attempts"], None,
+                                "the recipient unsubscribed, bounced or was removed", None, row["id"]))
+                counts["skipped"] += 1
+                continue
+            sender, data = built
+            if not (sender.isascii() and row["to_addr"].isascii()):
+                results.append(("failed", attempts, None, "non-ASCII addresses need SMTPUTF8, "
+                                "which campaignapi does not send", None, row["id"]))
+                counts["failed"] += 1
+                continue
+            run.pace.wait(run.stop)
+            if run.sign:
+                data = run.sign(data)
+            try:
+                reply = self.send(sender, row["to_addr"], data)
+            except _Unreachable as error:
+                unreachable = str(error)
+                results.append(("queued", row["attempts"], _shift(_now(), CONNECTION_RETRY),
+                                unreachable, None, row["id"]))
+                counts["requeued"] += 1
+                continue
+            if reply is None:
+                results.append(("sent", attempts, None, None, _now(), row["id"]))
+                counts["sent"] += 1
+                continue
+            code, text = reply
+            error = f"{code} {text}"
+            if 400 <= code < 500 and attempts < run.max_attempts:
+                delay = min(RETRY_BASE * 2 ** row["attempts"], RETRY_CAP)
+                results.append(("queued", attempts, _shift(_now(), delay), error, None, row["id"]))
+                counts["retried"] += 1
+                continue
+            results.append(("failed", attempts, None, error, None, row["id"]))
+            counts["failed"] += 1
+            if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
+                # A hard bounce: the mailbox does not exist.
+                letter = self.letters[(row["batch"], row["message"])]
+                bounces.append((row["account"], row["to_addr"], letter.campaign))
+                counts["bounced"] += 1
+        self.record(results, bounces)
+        run.add(counts, unreachable)
+        return unreachable
+
+
+def smtp_address(smtp):
+    """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
+    host, _, port = (smtp or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the SMTP server must be given as host:port, not {smtp!r}")
+    return host.strip("[]"), int(port)
+
+
+class _Run:
+    """What the connections of one deliver() call share."""
+
+    def __init__(self, db, address, options):
+        self.db = db
+        self.host, self.port = address
+        self.__dict__.update(options)
+        self.pace = _RateLimit(self.rate)
+        self.lock = threading.Lock()
+        self.counts = dict.fromkeys(_COUNTS, 0)
+        self.error = None
+        self.reported = dict(self.counts)
+        self.next_report = time.monotonic() + PROGRESS_INTERVAL
+
+    def add(self, counts, error):
+        with self.lock:
+            for name, value in counts.items():
+                self.counts[name] += value
+            self.error = error or self.error
+            if time.monotonic() >= self.next_report:
+                self.report()
+
+    def report(self):
+        """Log progress of a long delivery: what this interval did, and the totals."""
+        done = {name: self.counts[name] - self.reported[name] for name in self.counts}
+        self.reported, self.next_report = dict(self.counts), time.monotonic() + PROGRESS_INTERVAL
+        conn = connect(self.db)
+        try:
+            queued = conn.execute("SELECT count(*) FROM outbox WHERE status IN "
+                                  "('queued', 'sending')").fetchone()[0]
+        finally:
+            conn.close()
+        log.info("delivery progress: %s sent, %s failed, %s retried in the last %ss; "
+                 "%s sent and %s failed in all; %s still queued", done["sent"], done["failed"],
+                 done["retried"], PROGRESS_INTERVAL, self.counts["sent"], self.counts["failed"],
+                 queued)
+
+
+def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
+            connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
+            mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
+            stop=None):
+    """Send the outbox rows that are due over SMTP; returns counts.
+
+    Each row is claimed in a short transaction before it is sent, so workers
+    running side by side never send the same row; a claim older than
+    STALE_CLAIM (a worker that died) is taken back.  A 4xx reply queues the
+    row again with backoff until ``max_attempts``; a 5xx reply fails it, and
+    a ``5.1.x`` reply to a campaign email marks the address bounced for the
+    account.  Campaign emails are rendered here, from the message and the
+    recipient; notifications carry their own subject and body.
+
+    :param db: the database path.
+    :param smtp: ``"host:port"`` of the relay.
+    :param starttls: upgrade the connection with STARTTLS (certificate checked).
+    :param username: log in with this user (and ``password``).
+    :param connections: parallel SMTP connections (threads), each reused.
+    :param rate: at most this many emails a second over all connections; None: no limit.
+    :param batch_size: rows claimed at a time by one connection.
+    :param worker_id: names this worker in the claims; default host:pid.
+    :param dkim: ``(domain, selector, private key PEM bytes)`` to sign with, or None.
+    :param public_url: base of unsubscribe links when a batch has no base_url.
+    :param mail_from: sender of notifications; default campaignapi@<hostname>.
+    :param secret: the token secret; default the one stored in the database.
+    :param now: deliver what is due at this time (a datetime or stored text); default: now.
+    :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
+    :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
+    """
+    address = smtp_address(smtp)
+    conn = connect(db)
+    try:
+        if secret is None:
+            secret = _stored_secret(conn)
+        cutoff = _time_text(now) if now is not None else _now()
+        stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - STALE_CLAIM
+                 ).strftime("%Y-%m-%d %H:%M:%S")
+        # Read first: an idle worker looks every second and should not take
+        # the write lock each time.
+        due, dead = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND next_try <= ?), "
+            "EXISTS (SELECT 1 FROM outbox WHERE status = 'sending' AND claimed_at < ?)",
+            (cutoff, stale)).fetchone()
+        if dead:
+            with transaction(conn):
+                conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
+                             "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
+    finally:
+        conn.close()
+    if not (due or dead):
+        return {**dict.fromkeys(_COUNTS, 0), "error": None}
+    # A claim must be sent well before it goes stale: claim about a minute's work.
+    chunk = batch_size if not rate else max(1, min(batch_size, int(rate * 60 / connections)))
+    run = _Run(db, address, dict(
+        starttls=starttls, username=username, password=password, rate=rate, chunk=chunk,
+        worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}",
+        sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
+        mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
+        timeout=timeout, now=_time_text(now) if now is not None else None,
+        stop=stop or threading.Event()))
+    couriers = [_Courier(run) for _ in range(max(1, connections))]
+    if len(couriers) == 1:
+        couriers[0].deliver()
+    else:
+        failures = []
+
+        def work(courier):
+            try:
+                courier.deliver()
+            except BaseException as error:  # re-raised below, in the caller's thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=work, args=(c,), name=f"campaignapi-smtp-{i}")
+                   for i, c in enumerate(couriers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+    return {**run.counts, "error": run.error}
+
+
+# The worker ------------------------------------------------------------------
+
+def _repeat(stop, interval, step, name):
+    """Run ``step()`` until ``stop`` is set: again at once while it reports
+    work, else after ``interval`` seconds (longer after failures)."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            busy = step()
+            failures = 0
+        except Exception as error:
+            failures += 1
+            busy = False
+            if isinstance(error, OSError):
+                log.warning("%s: %s", name, error)
+            else:
+                log.exception("%s failed", name)
+        if not busy:
+            stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
+
+
+def run_worker(db, stop_event, smtp=None, *, interval=1.0, **delivery):
+    """The background work, until ``stop_event`` is set: make due batches
+    (process_due) and, when ``smtp`` is given, deliver the outbox (deliver()
+    with ``delivery`` options).  Without SMTP the outbox fills and waits.
+
+    :param interval: seconds between looks for due work when idle.
+    """
+    def make_batches():
+        return process_due(db) > 0
+
+    def deliver_outbox():
+        counts = deliver(db, smtp, stop=stop_event, **delivery)
+        if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
+            log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
+                                                if v and k != "error"))
+        if counts["error"]:
+            raise ConnectionError(counts["error"])
+        return counts["sent"] + counts["failed"] + counts["retried"] > 0
+
+    steps = [("batches", make_batches)] + ([("delivery", deliver_outbox)] if smtp else [])
+    threads = [threading.Thread(target=_repeat, args=(stop_event, interval, step, name),
+                                name=f"campaignapi-{name}", daemon=True) for name, step in steps]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        for thread in threads:
+            thread.join(0.5)
 
 
 # ---------------------------------------------------------------------------
@@ -3059,6 +3806,8 @@ ROUTES = [
           summary="Download an export's CSV (the link from the export record)",
           answers={"description": "The export as a CSV attachment.",
                    "content": {"text/csv": {"schema": {"type": "string"}}}}),
+    Route("GET", "/unsubscribe/{token:name}", None, unsubscribe_page, reads_body=False),
+    Route("POST", "/unsubscribe/{token:name}", None, unsubscribe_post, reads_body=False),
 
 ]
 
@@ -3110,7 +3859,77 @@ def _cmd_serve(args):
     print(f"campaignapi {__version__} serving {args.db} on http://{args.host}:{args.port}/v1/",
           flush=True)
     import waitress
-    waitress.serve(app, host=args.host, port=args.port, threads=args.threads, ident="campaignapi")
+    stop = threading.Event()
+    worker = threading.Thread(target=run_worker, args=(args.db, stop), kwargs=_worker_options(args),
+                              name="campaignapi-worker", daemon=True)
+    worker.start()
+    _stop_on_sigterm(lambda: _raise(KeyboardInterrupt))
+    try:
+        waitress.serve(app, host=args.host, port=args.port, threads=args.threads,
+                       ident="campaignapi")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+
+
+def _raise(error):
+    raise error
+
+
+def _stop_on_sigterm(action):
+    """SIGTERM (a service manager stopping us) ends the process like Ctrl-C."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: action())
+
+
+def _cmd_worker(args):
+    init_db(args.db)
+    stop = threading.Event()
+    _stop_on_sigterm(stop.set)
+    options = _worker_options(args)
+    print(f"campaignapi {__version__} worker on {args.db}, "
+          + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills"),
+          flush=True)
+    try:
+        run_worker(args.db, stop, **options)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+def _add_delivery_options(parser):
+    group = parser.add_argument_group("delivery (without --smtp the outbox fills and waits)")
+    group.add_argument("--smtp", default=None, metavar="HOST:PORT", help="the SMTP relay")
+    group.add_argument("--starttls", action="store_true", help="upgrade with STARTTLS")
+    group.add_argument("--smtp-user", default=None)
+    group.add_argument("--smtp-password", default=os.environ.get("CAMPAIGNAPI_SMTP_PASSWORD"),
+                       help="default: $CAMPAIGNAPI_SMTP_PASSWORD")
+    group.add_argument("--connections", type=int, default=1, help="parallel SMTP connections")
+    group.add_argument("--rate", type=float, default=None, help="at most R emails a second")
+    group.add_argument("--mail-from", default=None,
+                       help="sender of notifications (default campaignapi@HOSTNAME)")
+    group.add_argument("--dkim-domain", default=None)
+    group.add_argument("--dkim-selector", default=None)
+    group.add_argument("--dkim-key", default=None, metavar="PATH", help="RSA private key, PEM")
+
+
+def _worker_options(args):
+    """run_worker() keyword arguments from the command line."""
+    if args.smtp:
+        try:
+            smtp_address(args.smtp)
+        except ValueError as error:
+            sys.exit(f"error: --smtp: {error}")
+    dkim = None
+    given = [args.dkim_domain, args.dkim_selector, args.dkim_key]
+    if any(given):
+        if not all(given):
+            sys.exit("error: DKIM needs --dkim-domain, --dkim-selector and --dkim-key together")
+        with open(args.dkim_key, "rb") as f:
+            dkim = (args.dkim_domain, args.dkim_selector, f.read())
+    return {"smtp": args.smtp, "starttls": args.starttls, "username": args.smtp_user,
+            "password": args.smtp_password, "connections": args.connections, "rate": args.rate,
+            "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url}
 
 
 def _cmd_key(args):
@@ -3132,9 +3951,9 @@ def _cmd_key(args):
 
 
 def main(argv=None):
-    """The command line: ``serve`` (the default), ``key create|list|revoke``."""
+    """The command line: ``serve`` (the default), ``worker``, ``key create|list|revoke``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "key", "-h", "--help", "--version"):
+    if not argv or argv[0] not in ("serve", "worker", "key", "-h", "--help", "--version"):
         argv.insert(0, "serve")
     parser = argparse.ArgumentParser(prog="campaignapi", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=__version__)
@@ -3152,7 +3971,15 @@ def main(argv=None):
     serve.add_argument("--email", default="admin@example.com",
                        help="account address used when the database is new "
                             "(where import and export notifications go)")
+    _add_delivery_options(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    worker = commands.add_parser("worker", help="make due batches and deliver the outbox, alone")
+    worker.add_argument("--db", default="campaignapi.db")
+    worker.add_argument("--public-url", default="",
+                        help="base URL of unsubscribe links when a batch has none")
+    _add_delivery_options(worker)
+    worker.set_defaults(func=_cmd_worker)
 
     key = commands.add_parser("key", help="issue, list and revoke API keys")
     actions = key.add_subparsers(dest="action", required=True)

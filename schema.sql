@@ -34,13 +34,14 @@ CREATE TABLE IF NOT EXISTS apikey (
     revoked INTEGER NOT NULL DEFAULT 0 CHECK (revoked IN (0, 1))
 );
 
--- Addresses that must not receive an account's campaigns any more.
+-- Addresses that must not receive an account's campaigns any more.  An
+-- unsubscribe replaces a bounce, never the other way round.
 CREATE TABLE IF NOT EXISTS suppression (
-    account INTEGER NOT NULL REFERENCES account(id),
-    email   TEXT NOT NULL COLLATE NOCASE,
-    reason  TEXT NOT NULL CHECK (reason IN ('unsubscribed', 'bounced')),
-    campaign INTEGER,                      -- the campaign whose email caused it, if any
-    created TEXT NOT NULL DEFAULT (datetime('now')),
+    account  INTEGER NOT NULL REFERENCES account(id),
+    email    TEXT NOT NULL COLLATE NOCASE,
+    reason   TEXT NOT NULL CHECK (reason IN ('unsubscribed', 'bounced')),
+    campaign INTEGER,                      -- whose email led to it (archive counts); NULL: unknown
+    created  TEXT NOT NULL DEFAULT (datetime('now')),
     PRIMARY KEY (account, email)
 ) WITHOUT ROWID;
 
@@ -221,6 +222,9 @@ CREATE TABLE IF NOT EXISTS batch_message (
 -- The outbox: every email the service sends.  A campaign email names its
 -- batch, message and recipient and is rendered at delivery; only other mail
 -- (notifications, archive copies) carries its own subject and body.
+-- Status: queued -> sending (claimed by a worker) -> sent | failed, back to
+-- queued for a retry; 'skipped' when the recipient unsubscribed, bounced or
+-- was removed between queueing and delivery.
 CREATE TABLE IF NOT EXISTS outbox (
     id          INTEGER PRIMARY KEY,
     account     INTEGER NOT NULL REFERENCES account(id),
@@ -233,12 +237,12 @@ CREATE TABLE IF NOT EXISTS outbox (
     body        TEXT,                          -- plain text
     html        TEXT,                          -- optional HTML alternative
     status      TEXT NOT NULL DEFAULT 'queued'
-                CHECK (status IN ('queued', 'sending', 'sent', 'failed')),
-    attempts    INTEGER NOT NULL DEFAULT 0,
+                CHECK (status IN ('queued', 'sending', 'sent', 'failed', 'skipped')),
+    attempts    INTEGER NOT NULL DEFAULT 0,    -- delivery attempts made
     next_try    TEXT NOT NULL DEFAULT (datetime('now')),
-    claimed_by  TEXT,
-    claimed_at  TEXT,
-    error       TEXT,
+    claimed_by  TEXT,                          -- the worker sending it; a claim older
+    claimed_at  TEXT,                          -- than 10 minutes is taken back
+    error       TEXT,                          -- the last SMTP reply or error
     created     TEXT NOT NULL DEFAULT (datetime('now')),
     sent        TEXT
 );

@@ -1,5 +1,9 @@
 """Fixtures: an app on a temporary SQLite file, a WebTest client, keys."""
 
+import contextlib
+import os
+import threading
+
 import pytest
 import webtest
 
@@ -84,9 +88,6 @@ def stranger_api(client, other):
 
 # -- Real servers and a real browser (ecosystem issue; reusable by any test) --
 
-import contextlib
-import os
-import threading
 
 
 @contextlib.contextmanager
@@ -149,3 +150,67 @@ def page(browser):
         yield context.new_page()
     finally:
         context.close()
+
+
+@pytest.fixture
+def smtp_sink():
+    """A recording SMTP server on loopback (tests/smtp_sink.py)."""
+    from smtp_sink import SmtpSink
+
+    sink = SmtpSink().start()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture
+def seed_campaign(db):
+    """Queue campaign emails with plain SQL (the queueing half makes them in
+    the product): ``seed_campaign(recipients=[(email, name)], ...)`` -> ids.
+
+    Makes a datasource with a ``name`` field, the recipients, a sender profile,
+    a message, a campaign, a batch and one outbox row per recipient.
+    """
+    campaignapi.init_db(db)
+
+    def seed(recipients, *, owner="owner@example.com", subject="Hello {{name}}",
+             html='<p>Dear {{name}}</p><p><a href="{{unsubscribe_url}}">unsubscribe</a></p>',
+             text="Dear {{name}}\nUnsubscribe: {{unsubscribe_url}}", fromname="",
+             fromaddress="", replyto="", base_url="https://lists.example.com/email"):
+        conn = campaignapi.connect(db)
+        try:
+            with campaignapi.transaction(conn):
+                account = campaignapi._account_for(conn, owner)
+                now = campaignapi._now()
+                ds = conn.execute("INSERT INTO datasource (owner, name, created) VALUES (?, 'list', ?)",
+                                  (account, now)).lastrowid
+                conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, 'email', 'email')",
+                             (ds,))
+                name_field = conn.execute("INSERT INTO field (datasource, name, type) "
+                                          "VALUES (?, 'name', 'text')", (ds,)).lastrowid
+                profile = conn.execute(
+                    "INSERT INTO accountprofile (owner, name, fromname, fromaddress, replyto) "
+                    "VALUES (?, 'p', 'Profile Sender', 'news@sender.example', '')",
+                    (account,)).lastrowid
+                message = conn.execute(
+                    "INSERT INTO message (owner, name, subject, fromname, fromaddress, replyto, "
+                    "html, text) VALUES (?, 'm', ?, ?, ?, ?, ?, ?)",
+                    (account, subject, fromname, fromaddress, replyto, html, text)).lastrowid
+                campaign = conn.execute("INSERT INTO campaign (owner, accountprofile, name) "
+                                        "VALUES (?, ?, 'c')", (account, profile)).lastrowid
+                batch = conn.execute("INSERT INTO batch (campaign, timestamp, status, base_url) "
+                                     "VALUES (?, ?, 'sending', ?)", (campaign, now, base_url)).lastrowid
+                outbox = []
+                for address, name in recipients:
+                    recipient = conn.execute(
+                        "INSERT INTO recipient (datasource, email, data) VALUES (?, ?, ?)",
+                        (ds, address, campaignapi.json.dumps({str(name_field): name}))).lastrowid
+                    outbox.append(conn.execute(
+                        "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, "
+                        "created, next_try) VALUES (?, 'campaign', ?, ?, ?, ?, ?, ?)",
+                        (account, batch, message, recipient, address, now, now)).lastrowid)
+        finally:
+            conn.close()
+        return {"account": account, "datasource": ds, "campaign": campaign, "batch": batch,
+                "message": message, "outbox": outbox}
+
+    return seed
