@@ -721,7 +721,7 @@ def _respond(status, envelope, headers=None):
     """The HTTP response for an envelope: JSON, or a small page for a browser."""
     response = bottle.HTTPResponse(status=status, headers=headers or {})
     response.set_header("X-Response-Id", envelope["responseId"])
-    if _prefers_html(_header("Accept")):
+    if _prefers_html(_request_header("Accept")):
         title = "success" if envelope["success"] else envelope["data"].get("error", "error")
         response.content_type = "text/html; charset=utf-8"
         response.body = _HTML_PAGE.format(
@@ -738,7 +738,7 @@ def _error_response(response_id, error):
     return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
 
 
-def _header(name):
+def _request_header(name):
     """A request header as the server gave it (latin-1 text).  Not bottle's
     get_header(), which re-decodes it as UTF-8 and raises on other bytes."""
     return bottle.request.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
@@ -801,7 +801,7 @@ class Service:
             conn = self.conn()
             account = None
             if route.level:
-                key = authenticate(conn, _header("Authorization"))
+                key = authenticate(conn, _request_header("Authorization"))
                 require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
