@@ -2678,6 +2678,8 @@ def account_email(conn, account):
 
 #: A claim older than this belongs to a worker that died; its rows are queued again.
 STALE_CLAIM = datetime.timedelta(minutes=10)
+_INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
+                "not sent again, so that it cannot arrive twice")
 #: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
 RETRY_BASE, RETRY_CAP = 30, 3600
 #: Seconds before rows are tried again after the SMTP server could not be reached.
@@ -3035,13 +3037,25 @@ class _Courier:
             "LEFT JOIN suppression s ON s.account = d.owner AND s.email = r.email "
             f"WHERE r.id IN ({marks})", ids)}
 
-    def record(self, results, bounces):
+    def record(self, results, bounces, attempting=None):
+        """Write the outcomes so far (and empty the lists); with ``attempting``,
+        in the same transaction mark that row's SMTP attempt as under way.
+
+        Called before every SMTP attempt, so an email the server accepted is
+        never more than one attempt away from being recorded: a worker
+        killed mid-chunk leaves only its one attempting row in doubt."""
         with transaction(self.conn):
             self.conn.executemany(
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
-                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL WHERE id = ?", results)
+                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
+                "attempt_started = NULL WHERE id = ?", results)
             for account, address, campaign in bounces:
                 suppress(self.conn, account, address, "bounced", campaign)
+            if attempting is not None:
+                self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
+                                  (_now(), attempting))
+        results.clear()
+        bounces.clear()
 
     # Building the emails.
 
@@ -3200,6 +3214,7 @@ class _Courier:
             run.pace.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
+            self.record(results, bounces, attempting=row["id"])
             try:
                 reply = self.send(sender, row["to_addr"], data)
             except _Unreachable as error:
@@ -3280,12 +3295,15 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None):
+            stop=None, stale_claim=STALE_CLAIM):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
     running side by side never send the same row; a claim older than
-    STALE_CLAIM (a worker that died) is taken back.  A 4xx reply queues the
+    ``stale_claim`` (a worker that died) is taken back.  Each outcome is
+    written before the next SMTP attempt starts, so of a dead worker's rows
+    only the one it was sending is in doubt: that one is failed, never sent
+    twice; the others are queued again.  A 4xx reply queues the
     row again with backoff until ``max_attempts``; a 5xx reply fails it, and
     a ``5.1.x`` reply to a campaign email marks the address bounced for the
     account.  Campaign emails are rendered here, from the message and the
@@ -3305,6 +3323,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param secret: the token secret; default the one stored in the database.
     :param now: deliver what is due at this time (a datetime or stored text); default: now.
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
+    :param stale_claim: how old a claim must be (a timedelta) before it counts as a dead
+        worker's; it must be longer than any live worker takes over one chunk.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = smtp_address(smtp)
@@ -3313,7 +3333,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         if secret is None:
             secret = _stored_secret(conn)
         cutoff = _time_text(now) if now is not None else _now()
-        stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - STALE_CLAIM
+        stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - stale_claim
                  ).strftime("%Y-%m-%d %H:%M:%S")
         # Read first: an idle worker looks every second and should not take
         # the write lock each time.
@@ -3323,6 +3343,11 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
             (cutoff, stale)).fetchone()
         if dead:
             with transaction(conn):
+                # A row the dead worker was sending may have arrived: at most once.
+                conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
+                             "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
+                             "AND claimed_at < ? AND attempt_started IS NOT NULL",
+                             (_INTERRUPTED, stale))
                 conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
                              "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
     finally:
