@@ -294,3 +294,35 @@ def test_no_error_body_shows_sql_or_a_traceback(client, auth, api, monkeypatch):
     for body in bodies:
         assert_no_leak(body)
     assert api.get("/campaign/all")["emt_campaign"] == []
+
+
+# --- unsubscribe tokens ----------------------------------------------------------------------
+
+def test_unsubscribe_tokens_are_signed_and_forgeries_refused(client, api, db):
+    ids = build_world(api)
+    account = int(api.get(f"/datasource/{ids['datasource']}")["datasource"]["owner"])
+    secret = campaignapi._stored_secret(campaignapi.connect(db))
+    good = campaignapi.unsubscribe_token(secret, account, "ann@example.com", 1)
+    payload, mac = good.split(".")
+    assert len(campaignapi._unb64(mac)) * 8 >= 128
+    other_payload = campaignapi._b64(f"{account}::bob@example.com".encode())
+    forged = [
+        f"{other_payload}.{mac}",                                       # another address, old MAC
+        campaignapi.unsubscribe_token("not-the-secret", account, "bob@example.com"),
+        f"{payload}.{mac[:-2]}", f"{payload}.", f".{mac}", payload, good + ".x",
+        good[:-1] + ("A" if good[-1] != "A" else "B"), "A" * len(good), "..", "%2E",
+        campaignapi._b64(b"\xff\xfe:1:x") + "." + mac,
+    ]
+    before = snapshot(db)
+    for token in forged:
+        for method in ("GET", "POST"):
+            response = client.request(f"/v1/unsubscribe/{token}", method=method,
+                                      expect_errors=True)
+            assert response.status_int == 404, (token, method, response.status)
+            assert_no_leak(response.text)
+    assert snapshot(db) == before
+    # The genuine link still works, for its own address only.
+    assert client.post(f"/v1/unsubscribe/{good}").status_int == 200
+    statuses = {r["email"]: r["status"] for r in api.get(
+        f"/datasource/{ids['datasource']}/recipient/all")["recipient"]}
+    assert statuses == {"ann@example.com": "unsubscribed", "bob@example.com": "active"}
