@@ -2346,8 +2346,13 @@ def process_due(db, now=None):
             if batch is None:
                 break
             with transaction(conn):
-                _make_batch(conn, batch, now)
-            made += 1
+                # Looked at before the write lock: another process may have
+                # made or cancelled it since.  Only a batch still scheduled is made.
+                batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled'",
+                                     (batch["id"],)).fetchone()
+                if batch is not None:
+                    _make_batch(conn, batch, now)
+                    made += 1
         with transaction(conn):
             conn.execute(
                 "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "

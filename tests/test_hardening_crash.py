@@ -163,3 +163,28 @@ def test_a_delivery_killed_mid_chunk_sends_nobody_twice_and_the_rest_later(
     assert scalar(db, "SELECT count(*) FROM outbox WHERE status = 'sent'") == len(received) \
         - scalar(db, "SELECT count(*) FROM outbox WHERE status = 'failed' AND to_addr IN "
                      "(SELECT value FROM json_each(?))", json.dumps(list(received)))
+
+
+# --- a batch cancelled while another process is about to make it -----------------------------
+
+def test_a_batch_cancelled_between_the_look_and_the_make_stays_cancelled(db, api):
+    """Two processes run process_due: one looks (the batch is due), then the
+    campaign's pending send is cancelled before its write lock is granted.
+    The batch must stay cancelled, with nothing queued."""
+    ids = build_world(api)
+    conn = campaignapi.connect(db)
+    fired = []
+
+    def cancel_just_before_the_write(statement):
+        if statement.startswith("BEGIN IMMEDIATE") and not fired:
+            fired.append(statement)
+            api.post(f"/campaign/{ids['campaign']}", scheduled=0)
+
+    conn.set_trace_callback(cancel_just_before_the_write)
+    try:
+        campaignapi.process_due(conn)
+    finally:
+        conn.close()
+    assert fired
+    assert scalar(db, "SELECT status FROM batch WHERE id = ?", int(ids["batch"])) == "cancelled"
+    assert scalar(db, "SELECT count(*) FROM outbox WHERE kind = 'campaign'") == 0
