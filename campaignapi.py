@@ -3613,14 +3613,17 @@ def _success_data(route):
         answers = literal[-1]       # GET /.../{kind}/{id} answers that kind's records
     if isinstance(answers, dict):
         return answers
+    # (key, kind) where the answer's key is not the kind's schema name
+    # (campaign messages answer under "message").
+    key, answers = answers if isinstance(answers, tuple) else (answers, answers)
     if answers not in RECORD_SCHEMAS:
         return {"description": "See the contract for this operation."}
     record = {"$ref": f"#/components/schemas/{answers}"}
-    one = {"type": "object", "required": [answers], "properties": {answers: record}}
+    one = {"type": "object", "required": [key], "properties": {key: record}}
     if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
         return one
-    page = records_answer(answers, answers)
-    page["required"] = [answers, "total", "limit", "offset"]
+    page = records_answer(key, answers)
+    page["required"] = [key, "total", "limit", "offset"]
     return {"oneOf": [one, page]}
 
 
@@ -3812,7 +3815,7 @@ ROUTES = [
 
     # Campaign messages, structure, verify
     Route("GET", "/campaign/{parent_id}/message/{child_id:int|all}", "read",
-          campaign_message_get, _PAGE),
+          campaign_message_get, _PAGE, answers=("message", "campaignmessage")),
     Route("PUT", "/campaign/{parent_id}/message/{child_id}", "create", campaign_message_create,
           "segment:int! message:int! priority:int"),
     Route("POST", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_change,
