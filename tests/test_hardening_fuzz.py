@@ -6,6 +6,7 @@ import base64
 import csv
 import io
 import json
+import os
 import urllib.parse
 
 import pytest
@@ -18,9 +19,12 @@ from schemathesis import checks as st_checks
 import campaignapi
 
 #: Bounded for CI: examples per operation and generation mode.
-FUZZ_EXAMPLES = 12
+FUZZ_EXAMPLES = int(os.environ.get("CAMPAIGNAPI_FUZZ_EXAMPLES", "12"))
 
-BOUNDED = settings(deadline=None, database=None, derandomize=False,
+#: The same examples on every run, so CI is reproducible; set
+#: CAMPAIGNAPI_FUZZ_RANDOM=1 (and raise CAMPAIGNAPI_FUZZ_EXAMPLES) to explore.
+BOUNDED = settings(deadline=None, database=None,
+                   derandomize=not os.environ.get("CAMPAIGNAPI_FUZZ_RANDOM"),
                    suppress_health_check=list(HealthCheck))
 
 
