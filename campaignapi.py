@@ -636,9 +636,11 @@ def _read_params(route, environ, limit):
         if content_type != "application/json":
             raise UnsupportedMediaType("Send parameters as JSON with Content-Type: application/json.")
         try:
-            document = json.loads(body)
+            # Decoded here, strictly: json.loads(bytes) would pass encoded
+            # surrogates (b"\xed\xa0\x80") through as lone surrogates.
+            document = json.loads(body.decode("utf-8-sig"))
         except (ValueError, RecursionError):
-            raise InvalidJson("The request body is not valid JSON.") from None
+            raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
         if _SURROGATE_ESCAPE.search(body):
             # A \uD800-\uDFFF escape that is not half of a pair decodes to a
             # lone surrogate, which SQLite and UTF-8 output cannot hold.
@@ -726,7 +728,7 @@ def _respond(status, envelope, headers=None):
     """The HTTP response for an envelope: JSON, or a small page for a browser."""
     response = bottle.HTTPResponse(status=status, headers=headers or {})
     response.set_header("X-Response-Id", envelope["responseId"])
-    if _prefers_html(bottle.request.get_header("Accept")):
+    if _prefers_html(_request_header("Accept")):
         title = "success" if envelope["success"] else envelope["data"].get("error", "error")
         response.content_type = "text/html; charset=utf-8"
         response.body = _HTML_PAGE.format(
@@ -741,6 +743,22 @@ def _respond(status, envelope, headers=None):
 def _error_response(response_id, error):
     """The one place an error becomes an envelope."""
     return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
+
+
+def _request_header(name):
+    """A request header as the server gave it (latin-1 text).  Not bottle's
+    get_header(), which re-decodes it as UTF-8 and raises on other bytes."""
+    return bottle.request.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
+
+
+def _check_path(environ):
+    """Refuse a path that is not UTF-8: bottle decodes it dropping the bad
+    bytes, so '/campaign/%FF1' would otherwise reach campaign 1."""
+    raw = environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))  # PEP 3333: latin-1
+    try:
+        raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise NotFound("There is no such route: the path is not valid UTF-8.") from None
 
 
 def _loggable_path(path, raw_ids):
@@ -786,10 +804,11 @@ class Service:
         started = time.perf_counter()
         status = 500
         try:
+            _check_path(request.environ)
             conn = self.conn()
             account = None
             if route.level:
-                key = authenticate(conn, request.get_header("Authorization"))
+                key = authenticate(conn, _request_header("Authorization"))
                 require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
@@ -1107,8 +1126,8 @@ def convert_value(kind, value):
     if kind == "text":
         return str(value)
     if kind == "integer":
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+            return int(value)  # 12.0 from JSON; not 1e300, which SQLite cannot hold
         if re.fullmatch(r"[+-]?\d{1,18}", text):
             return int(text)
         raise ValueError(f"'{text}' is not a whole number")
@@ -2342,8 +2361,13 @@ def process_due(db, now=None):
             if batch is None:
                 break
             with transaction(conn):
-                _make_batch(conn, batch, now)
-            made += 1
+                # Looked at before the write lock: another process may have
+                # made or cancelled it since.  Only a batch still scheduled is made.
+                batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled'",
+                                     (batch["id"],)).fetchone()
+                if batch is not None:
+                    _make_batch(conn, batch, now)
+                    made += 1
         with transaction(conn):
             conn.execute(
                 "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "
@@ -2471,7 +2495,13 @@ def _condition_sql(column, kind, op, value):
         if op == "contains":
             return f"instr(lower({column}), ?) > 0", (needle,)
         return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
-    typed = convert_value(kind if kind != "email" else "text", value)
+    try:
+        typed = convert_value(kind if kind != "email" else "text", value)
+    except ValueError:
+        # Checked when stored, but the field has been retyped since: no value
+        # of its new type equals this one (so only 'ne' holds), none is above
+        # or below it.  Never an error: sizes, verify and sending must go on.
+        return ("1" if op == "ne" else "0"), ()
     if kind in ("text", "email") and typed is not None:
         column, typed = f"lower({column})", str(typed).lower()
     if op == "eq":
@@ -2488,8 +2518,8 @@ def segment_filter(conn, datasources, match, conditions):
 
     In a datasource that lacks a condition's field, every recipient's value
     is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
-    for a recipient without a value.  ValueError when a condition's value does
-    not fit its field's type.
+    for a recipient without a value.  A value that no longer fits its field's
+    type (the field was retyped) equals no value.
     """
     if not datasources:
         return "0", ()
@@ -2555,6 +2585,8 @@ def _checked_conditions(conn, datasources, given):
             continue
         if isinstance(value, bool):
             value = int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+            value = int(value)  # 5.0 is 5; str(1e300) would be '1e+300'
         if not isinstance(value, (str, int, float)) or str(value).strip() == "" \
                 or any(c in str(value) for c in "\r\n\x00"):
             raise InvalidParameter(f"{where}.value must be a non-empty single-line string or "
@@ -2563,7 +2595,7 @@ def _checked_conditions(conn, datasources, given):
         if op not in ("contains", "startswith"):
             for kind in sorted(kinds - {"email", "text"}):
                 try:
-                    convert_value(kind, value)
+                    convert_value(kind, str(value))  # as it is stored and used
                 except ValueError as error:
                     raise InvalidParameter(f"{where}.value does not fit the {kind} field "
                                            f"'{name}': {error}.", field="conditions") from None
@@ -2666,6 +2698,8 @@ def account_email(conn, account):
 
 #: A claim older than this belongs to a worker that died; its rows are queued again.
 STALE_CLAIM = datetime.timedelta(minutes=10)
+_INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
+                "not sent again, so that it cannot arrive twice")
 #: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
 RETRY_BASE, RETRY_CAP = 30, 3600
 #: Seconds before rows are tried again after the SMTP server could not be reached.
@@ -3040,13 +3074,25 @@ class _Courier:
             "LEFT JOIN suppression s ON s.account = d.owner AND s.email = r.email "
             f"WHERE r.id IN ({marks})", ids)}
 
-    def record(self, results, bounces):
+    def record(self, results, bounces, attempting=None):
+        """Write the outcomes so far (and empty the lists); with ``attempting``,
+        in the same transaction mark that row's SMTP attempt as under way.
+
+        Called before every SMTP attempt, so an email the server accepted is
+        never more than one attempt away from being recorded: a worker
+        killed mid-chunk leaves only its one attempting row in doubt."""
         with transaction(self.conn):
             self.conn.executemany(
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
-                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL WHERE id = ?", results)
+                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
+                "attempt_started = NULL WHERE id = ?", results)
             for account, address, campaign in bounces:
                 suppress(self.conn, account, address, "bounced", campaign)
+            if attempting is not None:
+                self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
+                                  (_now(), attempting))
+        results.clear()
+        bounces.clear()
 
     # Building the emails.
 
@@ -3205,6 +3251,7 @@ class _Courier:
             run.pace.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
+            self.record(results, bounces, attempting=row["id"])
             try:
                 reply = self.send(sender, row["to_addr"], data)
             except _Unreachable as error:
@@ -3285,12 +3332,15 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None):
+            stop=None, stale_claim=STALE_CLAIM):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
     running side by side never send the same row; a claim older than
-    STALE_CLAIM (a worker that died) is taken back.  A 4xx reply queues the
+    ``stale_claim`` (a worker that died) is taken back.  Each outcome is
+    written before the next SMTP attempt starts, so of a dead worker's rows
+    only the one it was sending is in doubt: that one is failed, never sent
+    twice; the others are queued again.  A 4xx reply queues the
     row again with backoff until ``max_attempts``; a 5xx reply fails it, and
     a ``5.1.x`` reply to a campaign email marks the address bounced for the
     account.  Campaign emails are rendered here, from the message and the
@@ -3310,6 +3360,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param secret: the token secret; default the one stored in the database.
     :param now: deliver what is due at this time (a datetime or stored text); default: now.
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
+    :param stale_claim: how old a claim must be (a timedelta) before it counts as a dead
+        worker's; it must be longer than any live worker takes over one chunk.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = smtp_address(smtp)
@@ -3318,7 +3370,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         if secret is None:
             secret = _stored_secret(conn)
         cutoff = _time_text(now) if now is not None else _now()
-        stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - STALE_CLAIM
+        stale = (datetime.datetime.strptime(cutoff, "%Y-%m-%d %H:%M:%S") - stale_claim
                  ).strftime("%Y-%m-%d %H:%M:%S")
         # Read first: an idle worker looks every second and should not take
         # the write lock each time.
@@ -3328,6 +3380,11 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
             (cutoff, stale)).fetchone()
         if dead:
             with transaction(conn):
+                # A row the dead worker was sending may have arrived: at most once.
+                conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
+                             "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
+                             "AND claimed_at < ? AND attempt_started IS NOT NULL",
+                             (_INTERRUPTED, stale))
                 conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
                              "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
     finally:
@@ -3588,14 +3645,17 @@ def _success_data(route):
         answers = literal[-1]       # GET /.../{kind}/{id} answers that kind's records
     if isinstance(answers, dict):
         return answers
+    # (key, kind) where the answer's key is not the kind's schema name
+    # (campaign messages answer under "message").
+    key, answers = answers if isinstance(answers, tuple) else (answers, answers)
     if answers not in RECORD_SCHEMAS:
         return {"description": "See the contract for this operation."}
     record = {"$ref": f"#/components/schemas/{answers}"}
-    one = {"type": "object", "required": [answers], "properties": {answers: record}}
+    one = {"type": "object", "required": [key], "properties": {key: record}}
     if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
         return one
-    page = records_answer(answers, answers)
-    page["required"] = [answers, "total", "limit", "offset"]
+    page = records_answer(key, answers)
+    page["required"] = [key, "total", "limit", "offset"]
     return {"oneOf": [one, page]}
 
 
@@ -3787,7 +3847,7 @@ ROUTES = [
 
     # Campaign messages, structure, verify
     Route("GET", "/campaign/{parent_id}/message/{child_id:int|all}", "read",
-          campaign_message_get, _PAGE),
+          campaign_message_get, _PAGE, answers=("message", "campaignmessage")),
     Route("PUT", "/campaign/{parent_id}/message/{child_id}", "create", campaign_message_create,
           "segment:int! message:int! priority:int"),
     Route("POST", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_change,

@@ -249,6 +249,10 @@ CREATE TABLE IF NOT EXISTS outbox (
     next_try    TEXT NOT NULL DEFAULT (datetime('now')),
     claimed_by  TEXT,                          -- the worker sending it; a claim older
     claimed_at  TEXT,                          -- than 10 minutes is taken back
+    attempt_started TEXT,                      -- set (committed) just before the SMTP
+                                               -- attempt, cleared with its result: a dead
+                                               -- worker's row with it set may have arrived,
+                                               -- so it is failed, never sent again
     error       TEXT,                          -- the last SMTP reply or error
     created     TEXT NOT NULL DEFAULT (datetime('now')),
     sent        TEXT

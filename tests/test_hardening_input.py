@@ -1,0 +1,277 @@
+"""Hardening: hostile and broken input gets a clear 4xx with the contract's
+code, never a 500 -- wrong types for every parameter of every route, huge
+and deeply nested JSON, invalid UTF-8, NUL bytes, line breaks in header
+values, ids past 2^63, negative paging."""
+
+import json
+import re
+import socket
+
+import pytest
+import webtest
+
+import campaignapi
+from datahelpers import make_datasource, recipients
+from conftest import serving
+
+ROUTES = [route for route in campaignapi.ROUTES if route.level]
+MAX_ID = campaignapi.MAX_ID
+
+
+def route_id(route):
+    return f"{route.method} {route.path}"
+
+
+def filled(route, value="1"):
+    """The route's path with every placeholder replaced by ``value``."""
+    return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
+
+
+def send(client, method, path, headers, body=None, raw=None, content_type="application/json",
+         **options):
+    if body is not None:
+        raw = json.dumps(body).encode()
+    return client.request(path, method=method, headers=headers, body=raw or b"",
+                          content_type=content_type if raw else None, expect_errors=True,
+                          **options)
+
+
+def assert_error(response, status, code):
+    assert response.status_int == status, response.text
+    assert response.content_type == "application/json"
+    assert response.json["success"] is False, response.text
+    assert response.json["data"]["error"] == code, response.text
+    assert response.json["data"]["message"]
+    return response.json["data"]
+
+
+# --- wrong types for every parameter of every route --------------------------------------
+
+#: Values of the wrong type for each parameter type (and a choice) of the route table.
+WRONG = {
+    "str": [5, ["x"], {"a": 1}, None, "two\nlines", "nul\x00"],
+    "text": [5, ["x"], {"a": 1}, None, "nul\x00"],
+    "int": ["abc", -1, 1.5, True, None, [1], MAX_ID + 1, str(MAX_ID + 1), "1e3", " 1", "\uff11"],
+    "flag": ["maybe", 2, -1, None, [1], "yes please"],
+    "email": [5, "not an address", "a@b", "x@example.com\r\nBcc: y@example.com", ["a@x.com"]],
+    "list": ["x", 5, {"a": 1}, None, True],
+    "scalar": [[1], {"a": 1}, None, "two\nlines"],
+    "data": [5, None, True, 1.5],
+    "choice": ["no-such-choice", 5, None, ["all"]],
+}
+
+
+def wrong_cases():
+    for route in ROUTES:
+        for param in route.params.values():
+            kind = "choice" if param.choices else param.type
+            for value in WRONG[kind]:
+                yield pytest.param(route, param.name, value,
+                                   id=f"{route_id(route)} {param.name}={value!r}"[:120])
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One app and one full key for the read-only matrices (a fresh app per
+    case would make the matrix slow)."""
+    db = str(tmp_path_factory.mktemp("input") / "campaignapi.db")
+    app = campaignapi.create_app(db)
+    secret = campaignapi.create_key(db, "owner@example.com")
+    client, auth = webtest.TestApp(app), {"Authorization": f"Bearer {secret}"}
+    # Records 1 exist, so that a handler's own checks are reached too.
+    send(client, "PUT", "/v1/datasource/1", auth, body={"name": "d"})
+    send(client, "PUT", "/v1/campaign/1", auth, body={"name": "c", "accountprofile": 1})
+    return client, auth, db
+
+
+@pytest.mark.parametrize("route,name,value", list(wrong_cases()))
+def test_a_wrong_type_for_any_parameter_is_400_naming_it(shared, route, name, value):
+    client, auth, db = shared
+    response = send(client, route.method, filled(route), auth, body={name: value})
+    data = assert_error(response, 400, "invalid_parameter")
+    assert data["field"] == name
+
+
+def test_every_route_parameter_type_has_wrong_values():
+    kinds = {"choice" if p.choices else p.type for r in ROUTES for p in r.params.values()}
+    assert kinds <= set(WRONG)
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if "limit" in r.params], ids=route_id)
+@pytest.mark.parametrize("params", [{"limit": -1}, {"offset": -1}, {"limit": "-5"},
+                                    {"offset": "-0"}, {"limit": 0}, {"limit": 1001},
+                                    {"offset": MAX_ID + 1}])
+def test_negative_or_out_of_range_paging_is_400(shared, route, params):
+    client, auth, db = shared
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    path = "/v1" + re.sub(r"\{[^}]*\}", lambda m: "all" if "all" in m.group() else "1",
+                          route.path)
+    response = send(client, route.method, path + "?" + query, auth)
+    data = assert_error(response, 400, "invalid_parameter")
+    assert data["field"] == next(iter(params))
+
+
+# --- identifiers past 2^63 ---------------------------------------------------------------
+
+def id_cases():
+    for route in ROUTES:
+        names = re.findall(r"\{(\w+)(?::([\w|]+))?\}", route.path)
+        for index, (name, allowed) in enumerate(names):
+            if "name" in (allowed or "int").split("|"):
+                continue
+            for bad in (str(MAX_ID + 1), "1" * 40, "-1", "1.0", "0x10", "%C2%B2"):
+                parts = iter(range(len(names)))
+                path = "/v1" + re.sub(r"\{[^}]*\}",
+                                      lambda m: bad if next(parts) == index else "1", route.path)
+                yield pytest.param(route, path, name, id=f"{route_id(route)} {name}={bad}")
+
+
+@pytest.mark.parametrize("route,path,name", list(id_cases()))
+def test_identifiers_that_are_not_int64_are_400(shared, route, path, name):
+    client, auth, db = shared
+    data = assert_error(send(client, route.method, path, auth), 400, "invalid_identifier")
+    assert data["field"] == name
+
+
+# --- bodies: size, depth, encoding --------------------------------------------------------
+
+@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+def test_deeply_nested_json_is_400_not_a_crash(shared, route):
+    client, auth, db = shared
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
+        assert_error(send(client, route.method, filled(route), auth, raw=raw), 400,
+                     "invalid_json")
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+def test_a_body_just_over_max_body_is_413(tmp_path, route):
+    db = str(tmp_path / "small.db")
+    client = webtest.TestApp(campaignapi.create_app(db, max_body=1000))
+    auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
+    body = b'{"name": "' + b"x" * 988 + b'"}'
+    assert len(body) == 1000
+    assert send(client, route.method, filled(route), auth, raw=body).status_int != 413
+    assert_error(send(client, route.method, filled(route), auth, raw=body + b" "), 413,
+                 "payload_too_large")
+
+
+INVALID_BODIES = [
+    b'{"name": "\xff\xfe"}',               # not UTF-8
+    b'{"name": "\xed\xa0\x80"}',            # an encoded surrogate
+    b'{"name": "\\ud800"}',                 # a lone surrogate escape
+    b"\xef\xbb\xbf\xef\xbb\xbf{}",          # two BOMs
+    b'{"name": "x"} trailing',
+    b'{"name": NaN',
+    b"\x00{}",
+    b'"just a string"', b"[]", b"null", b"42",
+]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+def test_invalid_json_bodies_are_400(shared, route):
+    client, auth, db = shared
+    for raw in INVALID_BODIES:
+        response = send(client, route.method, filled(route), auth, raw=raw)
+        assert_error(response, 400, "invalid_json")
+
+
+def test_nul_bytes_are_refused_in_every_string_parameter(api):
+    data = api.put("/message/0", status=400, name="a\x00b")
+    assert data["error"] == "invalid_parameter" and data["field"] == "name"
+    assert api.get("/datasource/all", status=400, **{"a\x00": 1})["error"] == "unknown_parameter"
+
+
+@pytest.mark.parametrize("name", ["name", "subject", "fromname", "fromaddress", "replyto"])
+@pytest.mark.parametrize("newline", ["\r\n", "\n", "\r"])
+def test_line_breaks_in_values_that_become_email_headers_are_400(api, name, newline):
+    value = f"x@example.com{newline}Bcc: victim@example.org"
+    data = api.put("/message/0", status=400, **{name: value})
+    assert (data["error"], data["field"]) == ("invalid_parameter", name)
+
+
+def test_line_breaks_in_campaign_and_profile_headers_are_400(api):
+    for path, params in (("/accountprofile/0", {"fromname": "A\r\nBcc: b@example.org"}),
+                         ("/campaign/0", {"name": "c", "accountprofile": 1,
+                                          "archiveemail": "a@example.com\nBcc: b@example.org"})):
+        assert api.put(path, status=400, **params)["error"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize("header", [
+    "Bearer abc\r\nX-Injected: 1", "Bearer \xe9\xff", "Bearer caf\xc3", "\x00Bearer x",
+    "Bearer " + "x" * 100_000])
+def test_odd_authorization_headers_are_401_not_500(client, header):
+    response = client.get("/v1/campaign/all", extra_environ={"HTTP_AUTHORIZATION": header},
+                          expect_errors=True)
+    assert_error(response, 401, "unauthorized")
+
+
+@pytest.mark.parametrize("accept", ["text/html\xe9\xff", "\xc3", "text/html;q=x\r\n"])
+def test_odd_accept_headers_are_answered(client, auth, accept):
+    response = client.get("/v1/campaign/all", headers=auth, extra_environ={"HTTP_ACCEPT": accept},
+                          expect_errors=True)
+    assert response.status_int == 200, response.text
+
+
+def test_raw_header_injection_on_a_real_server_is_a_4xx(app, auth):
+    """A request whose header holds a bare CR or LF never reaches the app as
+    two headers: the server refuses it (4xx), it never answers 5xx."""
+    with serving(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for header in (b"Authorization: Bearer x\rX-Evil: 1", b"X-A: 1\nX-B: 2\x00"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET /v1/campaign/all HTTP/1.1\r\nHost: x\r\n" + header +
+                             b"\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            status = int(answer.split(b" ", 2)[1])
+            assert 400 <= status < 500, answer[:200]
+
+
+# --- values that overflow or no longer fit -------------------------------------------------
+
+def test_a_huge_json_number_for_an_integer_field_is_skipped_not_a_crash(api):
+    ds = make_datasource(api, fields=[{"name": "n", "type": "integer"}])
+    answer = api.put(f"/datasource/{ds}/import/0", name="i", originalfile="f.json",
+                     __uploadtype__="json", __uploaddata__=[
+                         {"email": "big@example.com", "n": 1e300},
+                         {"email": "neg@example.com", "n": -1e19},
+                         {"email": "ok@example.com", "n": 12.0},
+                         {"email": "huge@example.com", "n": 10**30}])
+    record = api.get(f"/datasource/{ds}/import/{answer['id']}")["import"]
+    assert (record["inserted"], record["skipped"]) == ("1", "3")
+    assert recipients(api, ds)["ok@example.com"]["fields"]["n"] == "12"
+
+
+def test_a_segment_value_that_overflows_an_integer_field_is_400(api):
+    ds = make_datasource(api, fields=[{"name": "n", "type": "integer"}])
+    for value in (1e300, 10**30, "1e300"):
+        data = api.put("/segment/0", status=400, name="s", datasources=[ds], match="all",
+                       conditions=[{"field": "n", "op": "gt", "value": value}])
+        assert data["error"] == "invalid_parameter"
+    created = api.put("/segment/0", name="s", datasources=[ds], match="all",
+                      conditions=[{"field": "n", "op": "gt", "value": 5.0}])
+    assert api.get(f"/segment/{created['id']}")["segment"]["size"] == "0"
+
+
+def test_a_segment_whose_field_was_retyped_still_answers(api):
+    """A condition stored for a text field stays readable when the field
+    later becomes an integer: it matches nothing (ne: everything), never 500."""
+    ds = make_datasource(api, fields=[{"name": "t", "type": "text"}])
+    api.put(f"/datasource/{ds}/import/0", name="i", originalfile="f.json",
+            __uploadtype__="json", __uploaddata__=[{"email": "a@example.com"}])
+    eq = api.put("/segment/0", name="eq", datasources=[ds], match="all",
+                 conditions=[{"field": "t", "op": "eq", "value": "abc"}])["id"]
+    ne = api.put("/segment/0", name="ne", datasources=[ds], match="all",
+                 conditions=[{"field": "t", "op": "ne", "value": "abc"}])["id"]
+    api.get(f"/datasource/{ds}/modify/t", new="t", type="integer")
+    assert api.get(f"/segment/{eq}")["segment"]["size"] == "0"
+    assert api.get(f"/segment/{ne}")["segment"]["size"] == "1"
+    assert len(api.get("/segment/all")["segment"]) == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/campaign/%FF1", "/v1/campaign/1%C3", "/v1/datasource/%801"])
+def test_a_path_that_is_not_utf8_names_no_record(api, client, auth, path):
+    api.put("/campaign/0", name="c", accountprofile=1)
+    api.put("/datasource/0", name="d")
+    assert_error(client.get(path, headers=auth, expect_errors=True), 404, "not_found")
