@@ -6,6 +6,7 @@ import re
 import sqlite3
 
 import pytest
+import webtest
 
 import campaignapi
 
@@ -156,3 +157,24 @@ def test_route_levels_are_the_specs():
             assert level == SPEC_LEVELS[key], key
     for key in [("GET", "/datasource/{id}"), ("PUT", "/campaign/{id}")]:
         assert key in declared
+
+
+def test_remembered_keys_still_stop_at_revocation_and_expiry(db, tmp_path):
+    client = webtest.TestApp(campaignapi.create_app(db))
+    secret = campaignapi.create_key(db, "cache@example.com", name="cached")
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert client.get("/v1/campaign/all", headers=headers).status_int == 200  # remembered now
+    key_id = [k for k in campaignapi.list_keys(db) if k["name"] == "cached"][0]["id"]
+    assert campaignapi.revoke_key(db, key_id)
+    assert client.get("/v1/campaign/all", headers=headers, expect_errors=True).status_int == 401
+
+    # With the cache off, a change made behind the app's back counts at once.
+    uncached = webtest.TestApp(campaignapi.create_app(db, key_cache_seconds=0))
+    secret = campaignapi.create_key(db, "cache@example.com", name="plain")
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert uncached.get("/v1/campaign/all", headers=headers).status_int == 200
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE apikey SET expires = '2000-01-01 00:00:00' WHERE name = 'plain'")
+    conn.commit()
+    conn.close()
+    assert uncached.get("/v1/campaign/all", headers=headers, expect_errors=True).status_int == 401

@@ -91,6 +91,11 @@ def test_key_create_list_revoke(tmp_path):
 
     revoked = run_cli("key", "revoke", key_id, "--db", db, cwd=tmp_path)
     assert revoked.returncode == 0, revoked.stderr
+    # Revoked from another process: the app stops accepting it within
+    # key_cache_seconds (the setting's documented bound), a fresh app at once.
+    fresh = webtest.TestApp(campaignapi.create_app(db))
+    assert fresh.get("/v1/campaign/all", headers=headers, expect_errors=True).status_int == 401
+    time.sleep(campaignapi.DEFAULT_CONFIG["key_cache_seconds"] + 0.05)
     response = client.get("/v1/campaign/all", headers=headers, expect_errors=True)
     assert response.status_int == 401
     assert "revoked" in run_cli("key", "list", "--db", db, cwd=tmp_path).stdout
