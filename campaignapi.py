@@ -1945,6 +1945,180 @@ ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record(_PRO
 
 
 # ---------------------------------------------------------------------------
+# Segments
+# ---------------------------------------------------------------------------
+
+SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
+
+
+def _condition_sql(column, kind, op, value):
+    """SQL for one condition on one column expression, and its parameters.
+
+    ``column`` is SQL we build from field ids, never request text; the value is
+    always a parameter, converted to the field's type so comparisons are typed.
+    """
+    if op == "empty":
+        return f"({column} IS NULL OR {column} = '')", ()
+    if op == "notempty":
+        return f"({column} IS NOT NULL AND {column} != '')", ()
+    if op in ("contains", "startswith"):
+        needle = str(value).lower()
+        if op == "contains":
+            return f"instr(lower({column}), ?) > 0", (needle,)
+        return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
+    try:
+        typed = convert_value(kind if kind != "email" else "text", value)
+    except ValueError:
+        # Checked when stored, but the field has been retyped since: no value
+        # of its new type equals this one (so only 'ne' holds), none is above
+        # or below it.  Never an error: sizes, verify and sending must go on.
+        return ("1" if op == "ne" else "0"), ()
+    if kind in ("text", "email") and typed is not None:
+        column, typed = f"lower({column})", str(typed).lower()
+    if op == "eq":
+        return f"{column} IS ?", (typed,)
+    if op == "ne":
+        return f"{column} IS NOT ?", (typed,)
+    return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
+
+
+def segment_filter(conn, datasources, match, conditions):
+    """``(sql, params)``: a WHERE clause over ``recipient r`` that selects the
+    active recipients of a segment.  Counting and sending both use it, so the
+    size a client sees is the audience that is sent to.
+
+    In a datasource that lacks a condition's field, every recipient's value
+    is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
+    for a recipient without a value.  A value that no longer fits its field's
+    type (the field was retyped) equals no value.
+    """
+    if not datasources:
+        return "0", ()
+    parts, params = [], []
+    for datasource in datasources:
+        fields = datasource_fields(conn, datasource)
+        tests, test_params = [], []
+        for condition in conditions:
+            name, op, value = condition["field"].lower(), condition["op"], condition.get("value")
+            if name == "email":
+                sql, args = _condition_sql("r.email", "email", op, value)
+            elif name in fields:
+                field_id, _, kind = fields[name]
+                column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
+                sql, args = _condition_sql(column, kind, op, value)
+            else:
+                sql, args = ("1", ()) if op in ("empty", "ne") else ("0", ())
+            tests.append(sql)
+            test_params.extend(args)
+        joiner = " AND " if match == "all" else " OR "
+        test = joiner.join(tests) if tests else "1"
+        parts.append(f"(r.datasource = ? AND ({test}))")
+        params.extend([datasource, *test_params])
+    return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
+
+
+def _checked_datasources(conn, account, given):
+    """Segment ``datasources`` as a list of ids the account owns and uses."""
+    ids = []
+    for index, item in enumerate(given):
+        datasource = _as_int(item)
+        if datasource is None:
+            raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
+                                   field="datasources")
+        get_owned(conn, DATASOURCE, account, datasource, live=True)
+        if datasource not in ids:
+            ids.append(datasource)
+    return ids
+
+
+def _checked_conditions(conn, datasources, given):
+    """Segment ``conditions`` as stored: ``[{field, op, value}]``, each naming
+    a field of the segment's datasources with a value its type takes."""
+    fields = [datasource_fields(conn, datasource) for datasource in datasources]
+    checked = []
+    for index, item in enumerate(given):
+        where = f"conditions[{index}]"
+        if not isinstance(item, dict) or set(item) - {"field", "op", "value"} \
+                or not isinstance(item.get("field"), str) or not item["field"].strip():
+            raise InvalidParameter(f"{where} must be an object with 'field', 'op' and 'value'.",
+                                   field="conditions")
+        name, op, value = item["field"].strip(), item.get("op"), item.get("value")
+        if op not in SEGMENT_OPS:
+            raise InvalidParameter(f"{where}.op must be one of {', '.join(SEGMENT_OPS)}.",
+                                   field="conditions", allowed=list(SEGMENT_OPS))
+        kinds = {"email"} if name.lower() == "email" else {
+            known[name.lower()][2] for known in fields if name.lower() in known}
+        if not kinds:
+            raise InvalidParameter(f"{where}: no datasource of this segment has a field "
+                                   f"'{name}'.", field="conditions")
+        if op in ("empty", "notempty"):
+            checked.append({"field": name, "op": op, "value": None})
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+            value = int(value)  # 5.0 is 5; str(1e300) would be '1e+300'
+        if not isinstance(value, (str, int, float)) or str(value).strip() == "" \
+                or any(c in str(value) for c in "\r\n\x00"):
+            raise InvalidParameter(f"{where}.value must be a non-empty single-line string or "
+                                   f"number (use op 'empty' to match blank values).",
+                                   field="conditions")
+        if op not in ("contains", "startswith"):
+            for kind in sorted(kinds - {"email", "text"}):
+                try:
+                    convert_value(kind, str(value))  # as it is stored and used
+                except ValueError as error:
+                    raise InvalidParameter(f"{where}.value does not fit the {kind} field "
+                                           f"'{name}': {error}.", field="conditions") from None
+        checked.append({"field": name, "op": op, "value": str(value)})
+    return checked
+
+
+def _segment_values(call, row):
+    values = _columns(call, ("name", "match"))
+    if "datasources" in call.params:
+        datasources = _checked_datasources(call.conn, call.account, call.params["datasources"])
+    else:
+        datasources = json.loads(row["datasources"]) if row else []
+    if row is None or "datasources" in call.params or "conditions" in call.params:
+        # Conditions are checked against the datasources they will apply to,
+        # so changing either re-checks both.
+        stored = json.loads(row["conditions"]) if row else []
+        values["datasources"] = json.dumps(datasources)
+        values["conditions"] = json.dumps(
+            _checked_conditions(call.conn, datasources, call.get("conditions", stored)))
+    return values
+
+
+def segment_query(conn, segment):
+    """``(where, params)`` over ``recipient r`` for a segment row: its active
+    recipients, in those of its datasources that are not deleted."""
+    live = [row[0] for row in conn.execute(
+        "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
+        "(SELECT value FROM json_each(?)) ORDER BY id", (segment["datasources"],))]
+    return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
+
+
+def segment_size(conn, segment):
+    """How many addresses a segment reaches: one address in two of its
+    datasources counts once.  Counted by SQLite, never loaded into Python."""
+    where, params = segment_query(conn, segment)
+    return conn.execute(f"SELECT count(DISTINCT lower(r.email)) FROM recipient r WHERE {where}",
+                        params).fetchone()[0]
+
+
+def _segment_record(conn, row):
+    return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
+            "datasources": [str(d) for d in json.loads(row["datasources"])],
+            "match": row["match"], "conditions": json.loads(row["conditions"]),
+            "size": str(segment_size(conn, row)), "created": row["created"],
+            "deleted": str(row["deleted"])}
+
+
+SEGMENT = Resource("segment", "segment", _segment_record, _segment_values)
+
+
+# ---------------------------------------------------------------------------
 # Campaigns
 # ---------------------------------------------------------------------------
 
@@ -2508,180 +2682,6 @@ def archive_get(call, parent_id, child_id):
         "sent": str(sum(int(b["sent"]) for b in batches)),
         "failed": str(sum(int(b["failed"]) for b in batches)),
         "unsubscribed": str(unsubscribed)}}
-
-
-# ---------------------------------------------------------------------------
-# Segments
-# ---------------------------------------------------------------------------
-
-SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
-
-
-def _condition_sql(column, kind, op, value):
-    """SQL for one condition on one column expression, and its parameters.
-
-    ``column`` is SQL we build from field ids, never request text; the value is
-    always a parameter, converted to the field's type so comparisons are typed.
-    """
-    if op == "empty":
-        return f"({column} IS NULL OR {column} = '')", ()
-    if op == "notempty":
-        return f"({column} IS NOT NULL AND {column} != '')", ()
-    if op in ("contains", "startswith"):
-        needle = str(value).lower()
-        if op == "contains":
-            return f"instr(lower({column}), ?) > 0", (needle,)
-        return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
-    try:
-        typed = convert_value(kind if kind != "email" else "text", value)
-    except ValueError:
-        # Checked when stored, but the field has been retyped since: no value
-        # of its new type equals this one (so only 'ne' holds), none is above
-        # or below it.  Never an error: sizes, verify and sending must go on.
-        return ("1" if op == "ne" else "0"), ()
-    if kind in ("text", "email") and typed is not None:
-        column, typed = f"lower({column})", str(typed).lower()
-    if op == "eq":
-        return f"{column} IS ?", (typed,)
-    if op == "ne":
-        return f"{column} IS NOT ?", (typed,)
-    return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
-
-
-def segment_filter(conn, datasources, match, conditions):
-    """``(sql, params)``: a WHERE clause over ``recipient r`` that selects the
-    active recipients of a segment.  Counting and sending both use it, so the
-    size a client sees is the audience that is sent to.
-
-    In a datasource that lacks a condition's field, every recipient's value
-    is taken as blank: ``empty`` and ``ne`` hold, every other op fails, just as
-    for a recipient without a value.  A value that no longer fits its field's
-    type (the field was retyped) equals no value.
-    """
-    if not datasources:
-        return "0", ()
-    parts, params = [], []
-    for datasource in datasources:
-        fields = datasource_fields(conn, datasource)
-        tests, test_params = [], []
-        for condition in conditions:
-            name, op, value = condition["field"].lower(), condition["op"], condition.get("value")
-            if name == "email":
-                sql, args = _condition_sql("r.email", "email", op, value)
-            elif name in fields:
-                field_id, _, kind = fields[name]
-                column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
-                sql, args = _condition_sql(column, kind, op, value)
-            else:
-                sql, args = ("1", ()) if op in ("empty", "ne") else ("0", ())
-            tests.append(sql)
-            test_params.extend(args)
-        joiner = " AND " if match == "all" else " OR "
-        test = joiner.join(tests) if tests else "1"
-        parts.append(f"(r.datasource = ? AND ({test}))")
-        params.extend([datasource, *test_params])
-    return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
-
-
-def _checked_datasources(conn, account, given):
-    """Segment ``datasources`` as a list of ids the account owns and uses."""
-    ids = []
-    for index, item in enumerate(given):
-        datasource = _as_int(item)
-        if datasource is None:
-            raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
-                                   field="datasources")
-        get_owned(conn, DATASOURCE, account, datasource, live=True)
-        if datasource not in ids:
-            ids.append(datasource)
-    return ids
-
-
-def _checked_conditions(conn, datasources, given):
-    """Segment ``conditions`` as stored: ``[{field, op, value}]``, each naming
-    a field of the segment's datasources with a value its type takes."""
-    fields = [datasource_fields(conn, datasource) for datasource in datasources]
-    checked = []
-    for index, item in enumerate(given):
-        where = f"conditions[{index}]"
-        if not isinstance(item, dict) or set(item) - {"field", "op", "value"} \
-                or not isinstance(item.get("field"), str) or not item["field"].strip():
-            raise InvalidParameter(f"{where} must be an object with 'field', 'op' and 'value'.",
-                                   field="conditions")
-        name, op, value = item["field"].strip(), item.get("op"), item.get("value")
-        if op not in SEGMENT_OPS:
-            raise InvalidParameter(f"{where}.op must be one of {', '.join(SEGMENT_OPS)}.",
-                                   field="conditions", allowed=list(SEGMENT_OPS))
-        kinds = {"email"} if name.lower() == "email" else {
-            known[name.lower()][2] for known in fields if name.lower() in known}
-        if not kinds:
-            raise InvalidParameter(f"{where}: no datasource of this segment has a field "
-                                   f"'{name}'.", field="conditions")
-        if op in ("empty", "notempty"):
-            checked.append({"field": name, "op": op, "value": None})
-            continue
-        if isinstance(value, bool):
-            value = int(value)
-        if isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
-            value = int(value)  # 5.0 is 5; str(1e300) would be '1e+300'
-        if not isinstance(value, (str, int, float)) or str(value).strip() == "" \
-                or any(c in str(value) for c in "\r\n\x00"):
-            raise InvalidParameter(f"{where}.value must be a non-empty single-line string or "
-                                   f"number (use op 'empty' to match blank values).",
-                                   field="conditions")
-        if op not in ("contains", "startswith"):
-            for kind in sorted(kinds - {"email", "text"}):
-                try:
-                    convert_value(kind, str(value))  # as it is stored and used
-                except ValueError as error:
-                    raise InvalidParameter(f"{where}.value does not fit the {kind} field "
-                                           f"'{name}': {error}.", field="conditions") from None
-        checked.append({"field": name, "op": op, "value": str(value)})
-    return checked
-
-
-def _segment_values(call, row):
-    values = _columns(call, ("name", "match"))
-    if "datasources" in call.params:
-        datasources = _checked_datasources(call.conn, call.account, call.params["datasources"])
-    else:
-        datasources = json.loads(row["datasources"]) if row else []
-    if row is None or "datasources" in call.params or "conditions" in call.params:
-        # Conditions are checked against the datasources they will apply to,
-        # so changing either re-checks both.
-        stored = json.loads(row["conditions"]) if row else []
-        values["datasources"] = json.dumps(datasources)
-        values["conditions"] = json.dumps(
-            _checked_conditions(call.conn, datasources, call.get("conditions", stored)))
-    return values
-
-
-def segment_query(conn, segment):
-    """``(where, params)`` over ``recipient r`` for a segment row: its active
-    recipients, in those of its datasources that are not deleted."""
-    live = [row[0] for row in conn.execute(
-        "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
-        "(SELECT value FROM json_each(?)) ORDER BY id", (segment["datasources"],))]
-    return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
-
-
-def segment_size(conn, segment):
-    """How many addresses a segment reaches: one address in two of its
-    datasources counts once.  Counted by SQLite, never loaded into Python."""
-    where, params = segment_query(conn, segment)
-    return conn.execute(f"SELECT count(DISTINCT lower(r.email)) FROM recipient r WHERE {where}",
-                        params).fetchone()[0]
-
-
-def _segment_record(conn, row):
-    return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
-            "datasources": [str(d) for d in json.loads(row["datasources"])],
-            "match": row["match"], "conditions": json.loads(row["conditions"]),
-            "size": str(segment_size(conn, row)), "created": row["created"],
-            "deleted": str(row["deleted"])}
-
-
-SEGMENT = Resource("segment", "segment", _segment_record, _segment_values)
 
 
 # ---------------------------------------------------------------------------
