@@ -737,19 +737,24 @@ pre{{background:#f6f8fa;padding:1em;border-radius:6px;overflow:auto}}
 
 
 def _respond(status, envelope, headers=None):
-    """The HTTP response for an envelope: JSON, or a small page for a browser."""
-    response = bottle.HTTPResponse(status=status, headers=headers or {})
+    """Answer an envelope: JSON, or a small page for a browser.
+
+    Sets status and headers on bottle's response for this request and returns
+    the body (cheaper than building an HTTPResponse for bottle to copy over).
+    """
+    response = bottle.response
+    response.status = status
+    for name, value in (headers or {}).items():
+        response.set_header(name, value)
     response.set_header("X-Response-Id", envelope["responseId"])
     if _prefers_html(_request_header("Accept")):
         title = "success" if envelope["success"] else envelope["data"].get("error", "error")
         response.content_type = "text/html; charset=utf-8"
-        response.body = _HTML_PAGE.format(
+        return _HTML_PAGE.format(
             title=html.escape(title), success=str(envelope["success"]).lower(),
             body=html.escape(json.dumps(envelope, indent=2, ensure_ascii=False)))
-    else:
-        response.content_type = "application/json"
-        response.body = _to_json(envelope)
-    return response
+    response.content_type = "application/json"
+    return _to_json(envelope)
 
 
 def _error_response(response_id, error):
@@ -915,14 +920,9 @@ class Service:
             api_error.status = error.status_code
         log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
                  api_error.status)
-        envelope = _envelope(response_id, False, api_error.data())
-        response = _respond(api_error.status, envelope, api_error.headers)
         # Bottle already copied the error's status and headers into the
-        # response it will send; overwrite them with ours.
-        bottle.response.status = response.status
-        for name, value in response.headerlist:
-            bottle.response.set_header(name, value)
-        return response.body
+        # response it will send; _respond() sets ours over them.
+        return _error_response(response_id, api_error)
 
 
 def _stored_secret(conn):
