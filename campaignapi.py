@@ -2579,11 +2579,14 @@ def process_due(db, now=None):
                 if batch is not None:
                     _make_batch(conn, batch, now)
                     made += 1
-        with transaction(conn):
-            conn.execute(
-                "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "
-                "NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.batch = batch.id "
-                "AND outbox.status IN ('queued', 'sending'))", (now,))
+        # The worker calls this every second: take the write lock only when
+        # some batch is still sending.
+        if conn.execute("SELECT 1 FROM batch WHERE status = 'sending' LIMIT 1").fetchone():
+            with transaction(conn):
+                conn.execute(
+                    "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "
+                    "NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.batch = batch.id "
+                    "AND outbox.status IN ('queued', 'sending'))", (now,))
         return made
     finally:
         if isinstance(db, str):
@@ -2774,7 +2777,13 @@ def _b64(data):
 
 
 def _unb64(text):
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Bytes of unpadded base64url text; ValueError unless the text is the one
+    canonical spelling (b64decode skips stray characters, and the unused low
+    bits of the last character would let one token have several spellings)."""
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 def _token_mac(secret, payload):
@@ -3861,7 +3870,6 @@ ROUTES = [
           "item:int! folder:str! sortorder:int!"),
     Route("POST", "/datasource/{parent_id}/organize/{child_id}", "write", organize_change,
           "id:int! folder:str sortorder:int"),
-
 
     # Messages, segments, sender profiles
     *_record_routes(MESSAGE, "name:str subject:str fromname:str fromaddress:email "

@@ -129,3 +129,21 @@ def test_other_routes_still_refuse_form_bodies(client, auth):
     response = client.put("/v1/campaign/0", "name=x", headers=auth, expect_errors=True,
                           content_type="application/x-www-form-urlencoded")
     assert response.status_int == 415
+
+
+def test_a_token_has_one_spelling_only(db):
+    # The last character of 16 bytes in base64 carries 2 bits; the 4 unused
+    # bits must not give the same MAC several spellings (nor may stray
+    # characters, which base64 decoding would skip).
+    secret = "s" * 64
+    good = campaignapi.unsubscribe_token(secret, 1, "ann@example.com")
+    assert campaignapi.read_unsubscribe_token(secret, good) == (1, "ann@example.com", None)
+    payload, mac = good.split(".")
+    last = campaignapi._b64(campaignapi._unb64(mac))[-1]
+    same_bits = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+                 if c != last and campaignapi.base64.urlsafe_b64decode(mac[:-1] + c + "==")
+                 == campaignapi.base64.urlsafe_b64decode(mac + "==")]
+    assert same_bits  # such spellings exist...
+    for variant in [f"{payload}.{mac[:-1]}{c}" for c in same_bits] + [f"{payload}.{mac}!",
+                                                                       f"{payload}!.{mac}"]:
+        assert campaignapi.read_unsubscribe_token(secret, variant) is None  # ...and are refused
