@@ -2132,14 +2132,26 @@ def _campaign_record(conn, row):
             "archiveid": str(row["id"])}
 
 
-# `scheduled` is derived, not stored: 1 while the campaign has a batch waiting
-# for its time.
-CAMPAIGN = Resource("campaign", "campaign", _campaign_record,
-                    lambda call, row: _campaign_values(call),
-                    columns="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
-                            "AND batch.status = 'scheduled') AS scheduled")
 _CAMPAIGN_COLUMNS = ("name", "description", "enabled", "archiveemail", "defaulttemplate",
                      "thumbnail", "accountprofile")
+
+
+def _campaign_values(call, row=None):
+    if call.get("scheduled") == 1:
+        raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
+                               "'scheduled' only takes '0', to cancel.", field="scheduled")
+    values = _columns(call, _CAMPAIGN_COLUMNS)
+    for name in ("archiveemail", "thumbnail"):
+        if values.get(name) == "":
+            values[name] = None
+    return values
+
+
+# `scheduled` is derived, not stored: 1 while the campaign has a batch waiting
+# for its time.
+CAMPAIGN = Resource("campaign", "campaign", _campaign_record, _campaign_values,
+                    columns="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
+                            "AND batch.status = 'scheduled') AS scheduled")
 
 
 def get_campaign(conn, account, campaign_id, *, live=False):
@@ -2153,27 +2165,15 @@ def campaign_get(call, id):
     return {"emt_campaign": [get_record(call, CAMPAIGN, id)["campaign"]]}
 
 
-def _campaign_values(call):
-    values = _columns(call, _CAMPAIGN_COLUMNS)
-    for name in ("archiveemail", "thumbnail"):
-        if values.get(name) == "":
-            values[name] = None
-    return values
-
-
 def campaign_change(call, id):
-    get_campaign(call.conn, call.account, id, live=True)
-    if call.get("scheduled") == 1:
-        raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
-                               "'scheduled' only takes '0', to cancel.", field="scheduled")
-    update_record(call.conn, "campaign", id, _campaign_values(call))
+    CAMPAIGN.change(call, id)
     if call.get("scheduled") == 0:
         cancel_batches(call.conn, id)
     return True
 
 
 def campaign_delete(call, id):
-    soft_delete(call, CAMPAIGN, id)
+    CAMPAIGN.delete(call, id)
     cancel_batches(call.conn, id)
     return True
 
@@ -2652,16 +2652,13 @@ def _batch_record(conn, batch, with_messages=True):
     return record
 
 
+BATCH = Kind("batcharchive", "batch", _batch_record, soft_delete=False, label="batch")
+
+
 def batcharchive_get(call, parent_id, child_id):
     get_campaign(call.conn, call.account, parent_id)
     if child_id == "all":
-        limit, offset = _page(call)
-        total = call.conn.execute("SELECT count(*) FROM batch WHERE campaign = ?",
-                                  (parent_id,)).fetchone()[0]
-        rows = call.conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id "
-                                 "LIMIT ? OFFSET ?", (parent_id, limit, offset)).fetchall()
-        return _listing("batcharchive", [_batch_record(call.conn, r) for r in rows],
-                        total, limit, offset)
+        return _listing("batcharchive", *list_page(call, BATCH, "campaign = ?", (parent_id,)))
     batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
                               (child_id, parent_id)).fetchone()
     if batch is None:
@@ -3825,6 +3822,10 @@ _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no enve
 # ---------------------------------------------------------------------------
 
 _PAGE = "limit:int offset:int"
+# What create and change of these records share (create makes name required).
+_DATASOURCE = "description:text origin:import|signup|api fields:list"
+_CAMPAIGN = ("description:text enabled:flag archiveemail:email defaulttemplate:str "
+             "thumbnail:str")
 
 def _record_routes(resource, fields):
     """Get (an id or all), Create, Change and soft Delete of a Resource;
@@ -3841,11 +3842,9 @@ ROUTES = [
     # Datasources
     Route("GET", "/datasource/{id:int|all|import}", "read", datasource_get, _PAGE,
           summary="Get datasource (one, all, or the imported ones)", answers="datasource"),
-    Route("POST", "/datasource/{id}", "write", datasource_change,
-          "name:str description:text origin:import|signup|api fields:list",
+    Route("POST", "/datasource/{id}", "write", datasource_change, "name:str " + _DATASOURCE,
           summary="Change datasource", answers=ANSWER_DONE),
-    Route("PUT", "/datasource/{id}", "create", datasource_create,
-          "name:str! description:text origin:import|signup|api fields:list",
+    Route("PUT", "/datasource/{id}", "create", datasource_create, "name:str! " + _DATASOURCE,
           summary="Create datasource", answers=ANSWER_ID),
     Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!",
           summary="Delete datasource", answers=ANSWER_DONE),
@@ -3881,11 +3880,10 @@ ROUTES = [
     Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE,
           summary="Get campaign (one or all)", answers=records_answer("emt_campaign", "campaign")),
     Route("PUT", "/campaign/{id}", "create", CAMPAIGN.create,
-          "name:str! accountprofile:int! description:text enabled:flag archiveemail:email "
-          "defaulttemplate:str thumbnail:str", summary="Create campaign", answers=ANSWER_ID),
+          "name:str! accountprofile:int! " + _CAMPAIGN, summary="Create campaign",
+          answers=ANSWER_ID),
     Route("POST", "/campaign/{id}", "write", campaign_change,
-          "name:str accountprofile:int description:text enabled:flag archiveemail:email "
-          "defaulttemplate:str thumbnail:str scheduled:flag",
+          "name:str accountprofile:int scheduled:flag " + _CAMPAIGN,
           summary="Change campaign", answers=ANSWER_DONE),
     Route("DELETE", "/campaign/{id}", "delete", campaign_delete, "",
           summary="Delete campaign", answers=ANSWER_DONE),

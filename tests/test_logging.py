@@ -36,11 +36,11 @@ def test_unknown_routes_are_logged_too(client, records):
 
 def test_an_internal_error_logs_its_traceback_with_the_response_id(
         client, auth, records, monkeypatch):
-    def broken(conn, account, campaign_id, **options):
+    def broken(conn, kind, account, record_id, **options):
         raise RuntimeError("disk on fire SELECT secret FROM apikey")
 
-    # Change campaign looks its record up through get_campaign: make that fail.
-    monkeypatch.setattr(campaignapi, "get_campaign", broken)
+    # Change campaign looks its record up through get_owned: make that fail.
+    monkeypatch.setattr(campaignapi, "get_owned", broken)
     response = client.post_json("/v1/campaign/1", {"name": "x"}, headers=auth, status=500)
     envelope = response.json
     assert envelope["success"] is False and envelope["data"]["error"] == "internal_error"
