@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import webtest
 
 import campaignapi
+from smtp_sink import free_port
 
 SCRIPT = os.path.abspath(campaignapi.__file__)
 SECRET_LINE = re.compile(r"^cak_[A-Za-z0-9_-]+$")
@@ -125,12 +125,6 @@ def test_key_errors_exit_nonzero(tmp_path, args):
 
 
 # --- serve -----------------------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class Server:
     """``python campaignapi.py --db DB --port PORT`` as a real process."""
