@@ -96,13 +96,24 @@ def serving(wsgi_app, threads=4):
     yields the base URL, e.g. ``http://127.0.0.1:40123``."""
     import waitress
 
+    from waitress import wasyncore
+
     server = waitress.create_server(wsgi_app, host="127.0.0.1", port=0, threads=threads)
-    thread = threading.Thread(target=server.run, daemon=True)
+    stop = threading.Event()
+
+    def run():
+        # The loop closes the server itself: closing its sockets from another
+        # thread while it sits in select() fails with EBADF.
+        while not stop.is_set():
+            wasyncore.loop(timeout=0.05, map=server._map, count=1)
+        server.close()
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.effective_port}"
     finally:
-        server.close()
+        stop.set()
         thread.join(5)
 
 
