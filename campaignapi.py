@@ -2,7 +2,7 @@
 
 Recipient lists (datasources), messages, segments and campaigns behind a small
 JSON API under ``/v1``, stored in one SQLite file, sent through an SMTP relay.
-The behaviour is the contract in ``API.md``; this module is the whole product.
+README.md describes every route and rule; this module is the whole product.
 
 Embedded in another application::
 
@@ -21,6 +21,18 @@ On its own, from the command line::
 """
 
 __version__ = "0.1.0"
+
+#: The public API; everything else (handlers included) is private.
+__all__ = [
+    "create_app", "main", "DEFAULT_CONFIG",
+    "create_key", "list_keys", "revoke_key", "LEVELS",
+    "connect", "transaction", "init_db",
+    "process_due", "deliver", "run_worker", "dkim_signer", "enqueue_email",
+    "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
+    "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
+    "InvalidIdentifier", "Unauthorized", "InsufficientAccess", "NotFound", "MethodNotAllowed",
+    "Conflict", "VerificationFailed", "PayloadTooLarge", "UnsupportedMediaType", "InvalidData",
+]
 
 import argparse
 import base64
@@ -83,7 +95,7 @@ MAX_ID = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------
-# Errors: handlers raise these; _error_response() turns them into envelopes.
+# Errors: handlers raise these; Service.finish() turns them into envelopes.
 # ---------------------------------------------------------------------------
 
 class ApiError(Exception):
@@ -141,6 +153,10 @@ class NotFound(ApiError):
 class MethodNotAllowed(ApiError):
     status, code = 405, "method_not_allowed"
 
+    def __init__(self, message, allowed):
+        super().__init__(message, allowed=allowed)
+        self.headers = {"Allow": ", ".join(allowed)}
+
 
 class Conflict(ApiError):
     status, code = 409, "conflict"
@@ -172,6 +188,10 @@ PRAGMAS = (
     ("foreign_keys", "ON"),
     ("busy_timeout", "30000"),     # writers queue instead of failing 'locked'
 )
+
+
+#: What a broken constraint raises: the pipeline answers it 409, never 500.
+INTEGRITY_ERRORS = (sqlite3.IntegrityError,)
 
 
 def connect(path):
@@ -257,11 +277,6 @@ def init_db(path):
 
 def _now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _str(value):
-    """A stored value as the contract answers it: a string, or null."""
-    return None if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------
@@ -539,9 +554,19 @@ class Route:
 
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
-    def __init__(self, method, path, level, handler, params="", writes=None, summary=None,
+    def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
                  answers=None, reads_body=True):
         self.method, self.path, self.level, self.handler = method, path, level, handler
+        # An operation of a record kind (Resource.get, .create, ...) takes the
+        # parameters its kind declares for it and answers that kind.
+        kind = getattr(handler, "__self__", None)
+        self.kind = kind if isinstance(kind, Resource) else None
+        if params is None:
+            params = self.kind.params(handler.__name__) if self.kind else ""
+        if answers is None and self.kind:
+            one = records_answer if self.kind.one_as_list else lambda *pair: pair
+            answers = {"get": one(self.kind.answer, self.kind.schema), "create": ANSWER_ID}.get(
+                handler.__name__, ANSWER_DONE)
         # For the OpenAPI document only: a one-line title, and what ``data``
         # holds on success (see openapi_document()).
         self.summary, self.answers = summary, answers
@@ -553,6 +578,17 @@ class Route:
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
         # What bottle's <name> matches, for telling 405 from 404 ourselves.
         self.pattern = re.compile(re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape("/v1" + path)))
+        # A route under /{kind}/{parent_id}/... acts within that record.
+        self.parent = Resource.kinds[path.split("/")[1]] if "parent_id" in self.ids else None
+
+    def run(self, call, ids):
+        """Call the handler: with the parent record looked up first (its owner
+        checked, and for a writing route refused if deleted), then the child id."""
+        if self.parent is not None:
+            call.parent = self.parent.find(call.conn, call.account, ids["parent_id"],
+                                           live=self.writes)
+            return self.handler(call, ids["child_id"])
+        return self.handler(call, *ids.values())
 
     def parse_ids(self, raw):
         ids = {}
@@ -575,13 +611,15 @@ class Route:
 
 class Call:
     """What a handler gets: the connection, the caller's account, the
-    parameters given (already checked), and the app's settings."""
+    parameters given (already checked), the parent record of a child route,
+    and the app's settings.  ``memo`` keeps what a request reads once."""
 
-    __slots__ = ("conn", "account", "params", "service", "response_id")
+    __slots__ = ("conn", "account", "params", "service", "response_id", "parent", "memo")
 
     def __init__(self, conn, account, params, service, response_id):
         self.conn, self.account, self.params = conn, account, params
         self.service, self.response_id = service, response_id
+        self.parent, self.memo = None, {}
 
     def get(self, name, default=None):
         return self.params.get(name, default)
@@ -687,16 +725,6 @@ def _page(call):
     return limit, offset
 
 
-def _listing(kind, records, total, limit, offset):
-    return {kind: records, "total": str(total), "limit": str(limit), "offset": str(offset)}
-
-
-def _same_id(call, name, value):
-    """Refuse when the body's ``name`` does not repeat the path's id."""
-    if call.get(name) != value:
-        raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
-
-
 #: Compact JSON as every answer and stored JSON text is written: one encoder,
 #: made once (json.dumps with options builds a new one per call).
 _to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -755,11 +783,6 @@ def _respond(status, envelope, headers=None):
             body=html.escape(json.dumps(envelope, indent=2, ensure_ascii=False)))
     response.content_type = "application/json"
     return _to_json(envelope)
-
-
-def _error_response(response_id, error):
-    """The one place an error becomes an envelope."""
-    return _respond(error.status, _envelope(response_id, False, error.data()), error.headers)
 
 
 def _request_header(name):
@@ -838,10 +861,8 @@ class Service:
 
     def dispatch(self, route, raw_ids):
         """The request pipeline: every route goes through here."""
-        response_id = _new_response_id()
+        response_id, started = _new_response_id(), time.perf_counter()
         request = bottle.request
-        started = time.perf_counter()
-        status = 500
         try:
             _check_path(request.environ)
             conn = self.conn()
@@ -855,31 +876,38 @@ class Service:
             call = Call(conn, account, params, self, response_id)
             if route.writes:
                 with transaction(conn):
-                    data = route.handler(call, **ids)
+                    outcome = route.run(call, ids)
             else:
-                data = route.handler(call, **ids)
-            if isinstance(data, bottle.HTTPResponse):  # a download or a page
-                data.set_header("X-Response-Id", response_id)
-                status = data.status_code
-                return data
-            status = 200
-            return _respond(200, _envelope(response_id, True, data))
+                outcome = route.run(call, ids)
         except ApiError as error:
-            status = error.status
-            return _error_response(response_id, error)
-        except sqlite3.IntegrityError:
-            status = 409
-            return _error_response(response_id, Conflict(
-                "The change conflicts with existing data (a duplicate or a missing reference)."))
+            outcome = error
+        except INTEGRITY_ERRORS:
+            outcome = Conflict("The change conflicts with existing data (a duplicate or a "
+                               "missing reference).")
         except Exception:
             log.exception("internal error, responseId %s", response_id)
-            return _error_response(response_id, ApiError(
-                f"Something went wrong on our side; quote responseId {response_id} when reporting it."))
-        finally:
-            if log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
-                log.info("%s %s %s %s %.1fms", response_id, request.method,
-                         _loggable_path(request.path, raw_ids), status,
-                         (time.perf_counter() - started) * 1000)
+            outcome = _internal_error(response_id)
+        return self.finish(response_id, started, outcome, raw_ids)
+
+    def finish(self, response_id, started, outcome, raw_ids=None):
+        """The one exit path: answer ``outcome`` (a handler's data, an ApiError,
+        or a ready response such as a download or a page) and log the request
+        once, with its responseId."""
+        request = bottle.request
+        if isinstance(outcome, bottle.HTTPResponse):
+            outcome.set_header("X-Response-Id", response_id)
+            status, answer = outcome.status_code, outcome
+        elif isinstance(outcome, ApiError):
+            status = outcome.status
+            answer = _respond(status, _envelope(response_id, False, outcome.data()),
+                              outcome.headers)
+        else:
+            status, answer = 200, _respond(200, _envelope(response_id, True, outcome))
+        if log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
+            log.info("%s %s %s %s %.1fms", response_id, request.method,
+                     _loggable_path(request.path, raw_ids or {}), status,
+                     (time.perf_counter() - started) * 1000)
+        return answer
 
     def unrouted(self):
         """The error for a request that no route takes: 404, or 405 with Allow."""
@@ -891,38 +919,35 @@ class Service:
         allowed = sorted({route.method for route in self.routes if route.pattern.fullmatch(path)})
         if not allowed:
             return NotFound(f"There is no route {request.method} {request.path}.")
-        error = MethodNotAllowed(f"{request.method} is not allowed here; allowed: "
-                                 f"{', '.join(allowed)}.", allowed=allowed)
-        error.headers = {"Allow": ", ".join(allowed)}
-        return error
+        return MethodNotAllowed(f"{request.method} is not allowed here; allowed: "
+                                f"{', '.join(allowed)}.", allowed)
 
     def no_route(self, path=""):
         """The catch-all route: our envelope even where bottle's error handler
         is not ours (Bottle.mount merges these routes into the parent app)."""
-        response_id = _new_response_id()
-        error = self.unrouted()
-        log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
-                 error.status)
-        return _error_response(response_id, error)
+        return self.finish(_new_response_id(), time.perf_counter(), self.unrouted())
 
     def bottle_error(self, error):
-        """Bottle's own errors as envelopes."""
+        """Bottle's own errors as envelopes.  Bottle already copied the
+        error's status and headers into the response it will send; finish()
+        sets ours over them."""
         response_id = _new_response_id()
         if error.status_code in (404, 405):
-            api_error = self.unrouted()
+            outcome = self.unrouted()
         elif error.status_code == 413:
-            api_error = PayloadTooLarge("The request body is too large.")
+            outcome = PayloadTooLarge("The request body is too large.")
         elif error.status_code >= 500:
-            log.error("internal error, responseId %s: %s", response_id, error.traceback or error.body)
-            api_error = ApiError(f"Something went wrong on our side; quote responseId {response_id}.")
+            log.error("internal error, responseId %s: %s", response_id,
+                      error.traceback or error.body)
+            outcome = _internal_error(response_id)
         else:
-            api_error = InvalidParameter(str(error.body))
-            api_error.status = error.status_code
-        log.info("%s %s %s %s", response_id, bottle.request.method, bottle.request.path,
-                 api_error.status)
-        # Bottle already copied the error's status and headers into the
-        # response it will send; _respond() sets ours over them.
-        return _error_response(response_id, api_error)
+            outcome = InvalidParameter(str(error.body))
+        return self.finish(response_id, time.perf_counter(), outcome)
+
+
+def _internal_error(response_id):
+    return ApiError(f"Something went wrong on our side; quote responseId {response_id} when "
+                    "reporting it.")
 
 
 def _stored_secret(conn):
@@ -936,65 +961,37 @@ def _stored_secret(conn):
 
 
 # ---------------------------------------------------------------------------
-# Records: the shared plumbing of every resource that has an owner.
+# The outbox: every email the service sends is queued here; merge tags.
 # ---------------------------------------------------------------------------
 
-class Kind:
-    """A kind of owned record: its table, its answer key, its record shape.
+_MERGE_TAG = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
-    ``columns`` is what a lookup selects (derived columns ride along in the
-    same statement: every statement costs a GIL round trip under load).
+
+def merge_tags(template):
+    """The names of the merge tags in ``template``, lower-cased."""
+    return {name.lower() for name in _MERGE_TAG.findall(template or "")}
+
+
+def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None):
+    """Queue a ready-made email (a notification or an archive copy) in the
+    outbox; the worker delivers it.  Returns the outbox row id.
+
+    :param body: the plain-text body; ``html`` an optional HTML alternative.
     """
-
-    def __init__(self, name, table, shape, soft_delete=True, label=None, columns="*"):
-        self.name, self.table, self.shape = name, table, shape
-        self.soft_delete = soft_delete
-        self.label = label or name
-        self.columns = columns
+    return conn.execute(
+        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (account, kind, to_addr, subject, body, html, _now(), _now())).lastrowid
 
 
-def get_owned(conn, kind, account, record_id, *, live=False):
-    """The row ``record_id`` of ``kind`` if ``account`` owns it, else 404.
-
-    :param live: also refuse (409) a soft-deleted record, for writes and uses.
-    """
-    row = conn.execute(f"SELECT {kind.columns} FROM {kind.table} WHERE id = ? AND owner = ?",
-                       (record_id, account)).fetchone()
-    if row is None:
-        raise NotFound(f"There is no {kind.label} {record_id}.")
-    if live and kind.soft_delete and row["deleted"]:
-        raise Conflict(f"{kind.label.capitalize()} {record_id} is deleted.")
-    return row
+def account_email(conn, account):
+    """The account holder's address, where notifications go."""
+    return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
 
 
-def list_owned(call, kind, where="", args=()):
-    """One page of the account's records of ``kind`` that are not deleted.
-
-    :param where: a further SQL condition (a fixed string, never request text).
-    """
-    where = " AND ".join(filter(None, ["owner = ?", "deleted = 0" if kind.soft_delete else "",
-                                        where]))
-    return list_page(call, kind, where, (call.account, *args))
-
-
-def list_page(call, kind, where, args, shape=None):
-    """One page (by id) of the rows of ``kind`` that match ``where``, shaped:
-    ``(records, total, limit, offset)``.  ``where`` is a fixed SQL string."""
-    limit, offset = _page(call)
-    shape = shape or kind.shape
-    total = call.conn.execute(f"SELECT count(*) FROM {kind.table} WHERE {where}",
-                              args).fetchone()[0]
-    rows = call.conn.execute(f"SELECT {kind.columns} FROM {kind.table} WHERE {where} ORDER BY id "
-                             "LIMIT ? OFFSET ?", (*args, limit, offset)).fetchall()
-    return [shape(call.conn, row) for row in rows], total, limit, offset
-
-
-def get_record(call, kind, record_id):
-    """The Get answer for ``record_id``: one record, or a page for ``all``."""
-    if record_id == "all":
-        return _listing(kind.name, *list_owned(call, kind))
-    return {kind.name: kind.shape(call.conn, get_owned(call.conn, kind, call.account, record_id))}
-
+# ---------------------------------------------------------------------------
+# Record kinds: each kind is a declaration; the generic operations serve it.
+# ---------------------------------------------------------------------------
 
 def insert_record(conn, table, record_id, values):
     """Insert a row at ``record_id`` (0: the next id) and return its id.
@@ -1019,62 +1016,224 @@ def update_record(conn, table, record_id, values):
                      (*values.values(), record_id))
 
 
-def soft_delete(call, kind, record_id):
-    get_owned(call.conn, kind, call.account, record_id, live=True)
-    call.conn.execute(f"UPDATE {kind.table} SET deleted = 1 WHERE id = ?", (record_id,))
-    return True
-
-
 def _columns(call, names):
     """The given parameters among ``names``, as column -> value."""
     return {name: call.params[name] for name in names if name in call.params}
 
 
-class Resource(Kind):
-    """A Kind whose four operations are the standard ones, as route handlers.
+def _same_id(call, name, value):
+    """Refuse when the body's ``name`` does not repeat the id ``value``."""
+    if call.get(name) != value:
+        raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
 
-    ``values(call, row)`` turns the checked parameters into columns (``row`` is
-    the stored record on change, None on create) and refuses what does not fit.
+
+class Resource:
+    """A kind of record, declared once.  Its Get, Create, Change and Delete
+    are the methods below, used as route handlers; a handler is written by
+    hand only for what is not record CRUD.
+
+    :param name: the kind: the answer's key and its word in the route table.
+    :param table: its table (a fixed name, never request text).
+    :param shape: ``shape(call, row) -> record``: a row as the contract's record.
+    :param columns: the columns Create and Change take, as route parameters
+        (``"name:type ..."``); ``required``: those Create needs.
+    :param extra: ``{operation: "name:type ..."}``, further parameters of an
+        operation that are not columns (``values`` and the hooks read them).
+    :param values: ``values(call, row) -> {column: value}`` from the checked
+        parameters, refusing what does not fit (``row``: the stored record on
+        Change, None on Create); default: the columns given.
+    :param parent: the kind this one lives under, ``parent_key`` the column
+        naming it; the pipeline looks the parent up (and checks its owner)
+        once and hands it over as ``call.parent``.  Without a parent the
+        record has an ``owner`` account.
+    :param parent_param: a Create parameter that must repeat the parent's id.
+    :param single: at most one record per parent: Change finds it by the parent.
+    :param repeat: ``{operation: "param"}``: a body parameter that must repeat
+        the record's id ("param!" when it is required).
+    :param select, source, order: how a record is read: the columns, the FROM
+        clause (with joins), the listing's order.
+    :param selectors: ``{word: SQL}``: path words besides ``all`` that list a
+        subset; ``filters``: ``{"param:type": SQL with one ?}``, listing filters.
+    :param after_create, after_change: ``hook(call, id)``, and ``on_delete``:
+        ``hook(call, row)`` before the row goes; all in the request's transaction.
+    :param soft_delete: Delete sets ``deleted`` (the record stays) instead of
+        removing the row; ``stamped``: the table has ``created``.
+    :param answer: the answer's key (default ``name``); ``one_as_list``: one
+        record is answered as a list of one (the spec's ``emt_campaign``).
+    :param schema: the OpenAPI schema of the record (default ``name``).
     """
 
-    def __init__(self, name, table, shape, values, **options):
-        super().__init__(name, table, shape, **options)
-        self.values = values
+    #: Every kind by name: a child route's path names its parent's kind.
+    kinds = {}
+
+    def __init__(self, name, table, shape, *, columns="", required="", extra=None, values=None,
+                 parent=None, parent_key=None, parent_param=None, single=False, repeat=None,
+                 select="*", source=None, order="id", selectors=None, filters=None,
+                 after_create=None, after_change=None, on_delete=None, soft_delete=None,
+                 stamped=True, label=None, answer=None, one_as_list=False, by_name=False,
+                 schema=None):
+        self.name, self.table, self.shape = name, table, shape
+        self.columns, self.required, self.extra = columns.split(), required.split(), extra or {}
+        self.column_names = [spec.partition(":")[0] for spec in self.columns]
+        self.values = values or (lambda call, row: _columns(call, self.column_names))
+        self.parent, self.parent_key, self.parent_param = parent, parent_key, parent_param
+        self.single, self.repeat = single, repeat or {}
+        self.select, self.source, self.order = select, source or table, order
+        self.selectors, self.filters = selectors or {}, filters or {}
+        self.after_create, self.after_change, self.on_delete = after_create, after_change, on_delete
+        self.soft_delete = parent is None if soft_delete is None else soft_delete
+        self.stamped, self.by_name = stamped, by_name
+        self.label = label or name
+        self.answer, self.one_as_list, self.schema = answer or name, one_as_list, schema or name
+        # Owned records are found by (id, owner), child records by (id, parent).
+        self.scope_column = f"{table}.{parent_key}" if parent else f"{table}.owner"
+        Resource.kinds[name] = self
+
+    # Parameters of each operation, for the route table.
+
+    def params(self, operation):
+        """The route parameters of ``operation`` (get, create, change, delete)."""
+        if operation == "get":
+            return " ".join(["limit:int offset:int", *self.filters])
+        specs = []
+        if operation == "create" and self.parent_param:
+            specs.append(f"{self.parent_param}:int!")
+        repeat = self.repeat.get(operation)
+        if repeat:
+            specs.append(f"{repeat.rstrip('!')}:int" + ("!" if repeat.endswith("!") else ""))
+        if operation in ("create", "change"):
+            specs += [spec + "!" if operation == "create" and spec.partition(":")[0]
+                      in self.required else spec for spec in self.columns]
+        specs += self.extra.get(operation, "").split()
+        return " ".join(specs)
+
+    # The one lookup-or-404 path.
+
+    def find(self, conn, scope, record_id, *, live=False):
+        """The row ``record_id`` within ``scope`` (the owning account, or the
+        parent's id for a child kind), else 404; with ``live``, a soft-deleted
+        record is 409 (it cannot be changed or used any more).
+
+        A kind found ``by_name`` also takes a name (without case) for an id.
+        """
+        where = f"{self.table}.id = ? AND {self.scope_column} = ?"
+        row = None
+        if not self.by_name or (record_id.isascii() and record_id.isdigit()):
+            row = conn.execute(f"SELECT {self.select} FROM {self.source} WHERE {where}",
+                               (_as_int(record_id) if self.by_name else record_id,
+                                scope)).fetchone()
+        if row is None and self.by_name:
+            row = conn.execute(f"SELECT {self.select} FROM {self.source} WHERE "
+                               f"{self.table}.name = ? AND {self.scope_column} = ?",
+                               (record_id, scope)).fetchone()
+        if row is None:
+            shown = f"'{record_id}'" if self.by_name else record_id
+            within = f" in {self.parent.label} {scope}" if self.parent else ""
+            raise NotFound(f"There is no {self.label} {shown}{within}.")
+        if live and self.soft_delete and row["deleted"]:
+            raise Conflict(f"{self.label.capitalize()} {record_id} is deleted.")
+        return row
+
+    def _scope(self, call):
+        return call.account if self.parent is None else call.parent["id"]
+
+    def _find_one(self, call, record_id, operation):
+        """The record an operation acts on; its id repeated where declared."""
+        if self.single:  # one per parent: found by the parent, whatever the path says
+            row = call.conn.execute(f"SELECT {self.select} FROM {self.source} "
+                                    f"WHERE {self.scope_column} = ?", (call.parent["id"],)).fetchone()
+            if row is None:
+                raise NotFound(f"{self.parent.label.capitalize()} {call.parent['id']} has no "
+                               f"{self.label}; create one with PUT.")
+        else:
+            row = self.find(call.conn, self._scope(call), record_id, live=True)
+        repeat = self.repeat.get(operation, "").rstrip("!")
+        if repeat and (repeat in call.params or self.repeat[operation].endswith("!")):
+            _same_id(call, repeat, row["id"])
+        return row
+
+    # The four operations.
 
     def get(self, call, id):
-        return get_record(call, self, id)
+        """One record, or a page of them for ``all`` (or a selector word)."""
+        if id == "all" or id in self.selectors:
+            return self.page(call, self.selectors.get(id))
+        record = self.shape(call, self.find(call.conn, self._scope(call), id))
+        return {self.answer: [record] if self.one_as_list else record}
+
+    def page(self, call, where=None):
+        """One page of the records in scope (not deleted), filtered by the
+        listing's parameters: ``{answer: [...], total, limit, offset}``."""
+        limit, offset = _page(call)
+        conditions, args = [f"{self.scope_column} = ?"], [self._scope(call)]
+        if self.soft_delete:
+            conditions.append(f"{self.table}.deleted = 0")
+        if where:
+            conditions.append(where)
+        for spec, condition in self.filters.items():
+            name = spec.partition(":")[0]
+            if name in call.params:
+                conditions.append(condition)
+                args.append(call.params[name])
+        where = " AND ".join(conditions)
+        total = call.conn.execute(f"SELECT count(*) FROM {self.source} WHERE {where}",
+                                  args).fetchone()[0]
+        rows = call.conn.execute(f"SELECT {self.select} FROM {self.source} WHERE {where} "
+                                 f"ORDER BY {self.order} LIMIT ? OFFSET ?",
+                                 (*args, limit, offset)).fetchall()
+        return {self.answer: [self.shape(call, row) for row in rows], "total": str(total),
+                "limit": str(limit), "offset": str(offset)}
 
     def create(self, call, id):
-        values = {"owner": call.account, "created": _now(), **self.values(call, None)}
-        return {"id": str(insert_record(call.conn, self.table, id, values))}
+        """A new record at ``id`` (0: the next id); answers its id."""
+        values = {}
+        if self.parent is None:
+            values["owner"] = call.account
+        else:
+            if self.parent_param and call.params[self.parent_param] != call.parent["id"]:
+                raise InvalidParameter(f"'{self.parent_param}' must be the {self.parent.label} "
+                                       f"in the path ({call.parent['id']}).",
+                                       field=self.parent_param)
+            values[self.parent_key] = call.parent["id"]
+        if self.stamped:
+            values["created"] = _now()
+        values.update(self.values(call, None))
+        new_id = insert_record(call.conn, self.table, id, values)
+        if self.after_create:
+            self.after_create(call, new_id)
+        return {"id": str(new_id)}
 
     def change(self, call, id):
-        row = get_owned(call.conn, self, call.account, id, live=True)
-        update_record(call.conn, self.table, id, self.values(call, row))
+        row = self._find_one(call, id, "change")
+        update_record(call.conn, self.table, row["id"], self.values(call, row))
+        if self.after_change:
+            self.after_change(call, row["id"])
         return True
 
     def delete(self, call, id):
-        if "id" in call.params:  # optional here, but must match when given
-            _same_id(call, "id", id)
-        return soft_delete(call, self, id)
+        row = self._find_one(call, id, "delete")
+        if self.on_delete:
+            self.on_delete(call, row)
+        if self.soft_delete:
+            call.conn.execute(f"UPDATE {self.table} SET deleted = 1 WHERE id = ?", (row["id"],))
+        else:
+            call.conn.execute(f"DELETE FROM {self.table} WHERE id = ?", (row["id"],))
+        return True
 
 
 # ---------------------------------------------------------------------------
 # Datasources
 # ---------------------------------------------------------------------------
 
-def _datasource_record(conn, row):
-    fields = [{"id": str(f["id"]), "name": f["name"], "type": f["type"]} for f in conn.execute(
+def _datasource_record(call, row):
+    fields = [{"id": str(f["id"]), "name": f["name"], "type": f["type"]} for f in call.conn.execute(
         "SELECT id, name, type FROM field WHERE datasource = ? ORDER BY id", (row["id"],))]
-    recipients = conn.execute("SELECT count(*) FROM recipient WHERE datasource = ? "
-                              "AND status = 'active'", (row["id"],)).fetchone()[0]
+    recipients = call.conn.execute("SELECT count(*) FROM recipient WHERE datasource = ? "
+                                   "AND status = 'active'", (row["id"],)).fetchone()[0]
     return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
             "description": row["description"], "origin": row["origin"], "fields": fields,
             "recipients": str(recipients), "created": row["created"],
             "deleted": str(row["deleted"])}
-
-
-DATASOURCE = Kind("datasource", "datasource", _datasource_record)
 
 
 def _checked_fields(fields):
@@ -1106,46 +1265,30 @@ def valid_field_name(name):
         and not any(c in name for c in "\r\n\x00{}")
 
 
-def _add_fields(conn, datasource, fields):
-    """Add the fields that the datasource lacks; a known name must keep its type."""
-    existing = {row["name"].lower(): row["type"] for row in conn.execute(
+def _add_fields(call, datasource):
+    """Add the ``fields`` given that the datasource lacks (a new one gets
+    ``email`` first); a known name must keep its type."""
+    fields = _checked_fields(call.get("fields", []))
+    existing = {row["name"].lower(): row["type"] for row in call.conn.execute(
         "SELECT name, type FROM field WHERE datasource = ?", (datasource,))}
+    if not existing:
+        fields = [("email", "email")] + fields
     for name, kind in fields:
         if name.lower() not in existing:
-            conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
-                         (datasource, name, kind))
-            existing[name.lower()] = kind  # create lists 'email' itself and may repeat it
+            call.conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
+                              (datasource, name, kind))
+            existing[name.lower()] = kind  # 'fields' may list 'email' itself
         elif existing[name.lower()] != kind:
             raise Conflict(f"The field '{name}' exists with type {existing[name.lower()]}; "
                            "change its type with the modify operation.", field="fields")
 
 
-def datasource_get(call, id):
-    if id == "import":
-        return _listing("datasource", *list_owned(call, DATASOURCE, "origin = 'import'"))
-    return get_record(call, DATASOURCE, id)
-
-
-def datasource_create(call, id):
-    fields = _checked_fields(call.get("fields", []))
-    values = {"owner": call.account, "created": _now(), "name": call.get("name"),
-              **_columns(call, ("description", "origin"))}
-    new_id = insert_record(call.conn, "datasource", id, values)
-    _add_fields(call.conn, new_id, [("email", "email")] + fields)
-    return {"id": str(new_id)}
-
-
-def datasource_change(call, id):
-    get_owned(call.conn, DATASOURCE, call.account, id, live=True)
-    update_record(call.conn, "datasource", id, _columns(call, ("name", "description", "origin")))
-    if "fields" in call.params:
-        _add_fields(call.conn, id, _checked_fields(call.params["fields"]))
-    return True
-
-
-def datasource_delete(call, id):
-    _same_id(call, "id", id)
-    return soft_delete(call, DATASOURCE, id)
+DATASOURCE = Resource(
+    "datasource", "datasource", _datasource_record,
+    columns="name:str description:text origin:import|signup|api", required="name",
+    extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
+    selectors={"import": "origin = 'import'"},
+    after_create=_add_fields, after_change=_add_fields)
 
 
 _DATETIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M")
@@ -1247,32 +1390,6 @@ _EMAIL_COLUMNS = {"email", "emailaddress"}
 _ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
-def get_datasource(conn, account, datasource_id, *, live=False):
-    """The caller's datasource row, else 404 (409 if deleted and ``live``)."""
-    return get_owned(conn, DATASOURCE, account, datasource_id, live=live)
-
-
-def _get_child(call, kind, parent_id, child_id, *, live=False, parent="datasource"):
-    """Row ``child_id`` of ``kind`` that belongs to the caller's datasource
-    ``parent_id`` (the column ``parent`` names it), else 404."""
-    get_datasource(call.conn, call.account, parent_id, live=live)
-    row = call.conn.execute(f"SELECT * FROM {kind.table} WHERE id = ? AND {parent} = ?",
-                            (child_id, parent_id)).fetchone()
-    if row is None:
-        raise NotFound(f"There is no {kind.label} {child_id} in datasource {parent_id}.")
-    return row
-
-
-def _child_get(call, kind, parent_id, child_id, *, parent="datasource", shape=None):
-    """The Get answer of a datasource's sub-resource: one record or a page."""
-    shape = shape or kind.shape
-    if child_id == "all":
-        get_datasource(call.conn, call.account, parent_id)
-        return _listing(kind.name, *list_page(call, kind, f"{parent} = ?", (parent_id,), shape))
-    return {kind.name: shape(call.conn, _get_child(call, kind, parent_id, child_id,
-                                                    parent=parent))}
-
-
 def _nocase(address):
     """An address as the recipient table compares it (SQLite NOCASE folds ASCII only)."""
     return address.lower() if address.isascii() else address.translate(_ASCII_FOLD)
@@ -1280,10 +1397,18 @@ def _nocase(address):
 
 # Recipients -----------------------------------------------------------------
 
-def _recipient_record(fields, row):
+def _request_fields(call):
+    """The fields of the request's datasource (``call.parent``), read once per request."""
+    fields = call.memo.get("fields")
+    if fields is None:
+        fields = call.memo["fields"] = datasource_fields(call.conn, call.parent["id"])
+    return fields
+
+
+def _recipient_record(call, row):
     data = json.loads(row["data"])
     values = {}
-    for field_id, name, _ in fields.values():
+    for field_id, name, _ in _request_fields(call).values():
         value = data.get(str(field_id))
         values[name] = None if value is None else display_value(value)
     values["email"] = row["email"]
@@ -1292,46 +1417,27 @@ def _recipient_record(fields, row):
             "updated": row["updated"]}
 
 
-RECIPIENT = Kind("recipient", "recipient", None, soft_delete=False)  # shaped with its fields
-
-
-def recipient_get(call, parent_id, child_id):
-    get_datasource(call.conn, call.account, parent_id)
-    fields = datasource_fields(call.conn, parent_id)
-    shape = lambda conn, row: _recipient_record(fields, row)  # noqa: E731 - fields read once
-    if child_id != "all":
-        return {"recipient": shape(call.conn, _get_child(call, RECIPIENT, parent_id, child_id))}
-    where, args = "datasource = ?", (parent_id,)
-    if "status" in call.params:
-        where, args = where + " AND status = ?", (*args, call.params["status"])
-    return _listing("recipient", *list_page(call, RECIPIENT, where, args, shape))
+RECIPIENT = Resource("recipient", "recipient", _recipient_record,
+                     parent=DATASOURCE, parent_key="datasource",
+                     filters={"status:active|unsubscribed|bounced": "status = ?"})
 
 
 # Field changes --------------------------------------------------------------
 
-def _field_record(conn, row):
+def _field_record(call, row):
     return {"id": str(row["id"]), "datasource": str(row["datasource"]), "name": row["name"],
             "type": row["type"]}
 
 
-def _find_field(conn, datasource, ref):
-    """A datasource's field by id or by name (without case), else 404."""
-    row = None
-    if ref.isascii() and ref.isdigit():
-        row = conn.execute("SELECT * FROM field WHERE id = ? AND datasource = ?",
-                           (_as_int(ref), datasource)).fetchone()
-    if row is None:
-        row = conn.execute("SELECT * FROM field WHERE name = ? AND datasource = ?",
-                           (ref, datasource)).fetchone()
-    if row is None:
-        raise NotFound(f"Datasource {datasource} has no field '{ref}'.")
-    return row
+#: A datasource's field, named in paths by its id or its name (without case).
+FIELD = Resource("field", "field", _field_record, parent=DATASOURCE, parent_key="datasource",
+                 by_name=True)
 
 
-def field_modify(call, parent_id, child_id):
+def _field_modify(call, child_id):
     """Rename a field and/or change its type (the spec's GET modify)."""
-    get_datasource(call.conn, call.account, parent_id, live=True)
-    field = _find_field(call.conn, parent_id, child_id)
+    datasource = call.parent["id"]
+    field = FIELD.find(call.conn, datasource, child_id)
     name, kind = call.params["new"].strip(), call.params["type"]
     if field["name"].lower() == "email" and (name.lower() != "email" or kind != "email"):
         raise Conflict("The email field cannot be renamed or retyped.", field="new")
@@ -1339,13 +1445,13 @@ def field_modify(call, parent_id, child_id):
         raise InvalidParameter("'new' must be a non-empty single-line name without braces, "
                                "at most 200 characters.", field="new")
     taken = call.conn.execute("SELECT 1 FROM field WHERE datasource = ? AND name = ? AND id != ?",
-                              (parent_id, name, field["id"])).fetchone()
+                              (datasource, name, field["id"])).fetchone()
     if taken:
-        raise Conflict(f"Datasource {parent_id} already has a field named '{name}'.", field="new")
+        raise Conflict(f"Datasource {datasource} already has a field named '{name}'.", field="new")
     if kind != field["type"]:
-        _retype(call.conn, parent_id, field, kind)
+        _retype(call.conn, datasource, field, kind)
     update_record(call.conn, "field", field["id"], {"name": name, "type": kind})
-    return {"field": _field_record(call.conn, _find_field(call.conn, parent_id, str(field["id"])))}
+    return {"field": _field_record(call, FIELD.find(call.conn, datasource, str(field["id"])))}
 
 
 def _retype(conn, datasource, field, kind):
@@ -1385,7 +1491,7 @@ def _retype(conn, datasource, field, kind):
 
 # Imports --------------------------------------------------------------------
 
-def _import_record(conn, row):
+def _import_record(call, row):
     return {"id": str(row["id"]), "datasource": str(row["datasource"]), "name": row["name"],
             "originalfile": row["originalfile"], "uploadtype": row["uploadtype"],
             "status": row["status"], "rows": str(row["rows"]), "inserted": str(row["inserted"]),
@@ -1393,8 +1499,6 @@ def _import_record(conn, row):
             "errors": json.loads(row["errors"]), "created": row["created"],
             "finished": row["finished"]}
 
-
-IMPORT = Kind("import", "import", _import_record, soft_delete=False)
 
 class _Importer:
     """Typed rows in, recipients out: checks each row, keeps the chunk being
@@ -1685,14 +1789,10 @@ def _import_json(importer, data):
                 importer.add(number, email, keys, values)
 
 
-def import_get(call, parent_id, child_id):
-    return _child_get(call, IMPORT, parent_id, child_id)
-
-
-def import_create(call, parent_id, child_id):
+def _import_create(call, child_id):
     """Import a CSV file or an array of objects into the datasource, as one
     transaction (the request's), in chunks; mail the figures to the account."""
-    datasource = get_datasource(call.conn, call.account, parent_id, live=True)
+    datasource = call.parent
     upload_type = call.params["__uploadtype__"]
     # Popped, so that once read it is garbage: the upload is the big thing.
     data = call.params.pop("__uploaddata__")
@@ -1700,10 +1800,10 @@ def import_create(call, parent_id, child_id):
     if raw is not None:
         data = None
     import_id = insert_record(call.conn, "import", child_id, {
-        "datasource": parent_id, "name": call.params["name"],
+        "datasource": datasource["id"], "name": call.params["name"],
         "originalfile": call.params["originalfile"], "uploadtype": upload_type,
         "status": "running", "created": _now()})
-    importer = _Importer(call.conn, parent_id, import_id)
+    importer = _Importer(call.conn, datasource["id"], import_id)
     try:
         if raw is None:
             _import_json(importer, data)
@@ -1742,20 +1842,15 @@ def _notify_import(call, datasource, row):
                   f'{row["skipped"]} skipped', "\n".join(lines) + "\n")
 
 
-def import_change(call, parent_id, child_id):
-    _same_id(call, "id", child_id)
-    _get_child(call, IMPORT, parent_id, child_id, live=True)
-    update_record(call.conn, "import", child_id, _columns(call, ("name", "originalfile")))
-    return True
+def _remove_imported(call, row):
+    """Deleting an import removes the recipients that it inserted."""
+    call.conn.execute("DELETE FROM recipient WHERE import = ?", (row["id"],))
 
 
-def import_delete(call, parent_id, child_id):
-    """Delete the import record and the recipients that this import inserted."""
-    _same_id(call, "id", child_id)
-    _get_child(call, IMPORT, parent_id, child_id, live=True)
-    call.conn.execute("DELETE FROM recipient WHERE import = ?", (child_id,))
-    call.conn.execute("DELETE FROM import WHERE id = ?", (child_id,))
-    return True
+#: Create is _import_create(): an import is made by reading its upload.
+IMPORT = Resource("import", "import", _import_record, parent=DATASOURCE, parent_key="datasource",
+                  columns="name:str originalfile:str", repeat={"change": "id!", "delete": "id!"},
+                  on_delete=_remove_imported)
 
 
 # Exports --------------------------------------------------------------------
@@ -1768,21 +1863,21 @@ def _export_record(call, row):
             "expires": row["expires"], "created": row["created"], "finished": row["finished"]}
 
 
-EXPORT = Kind("export", "export", None, soft_delete=False)
+EXPORT = Resource("export", "export", _export_record, parent=DATASOURCE, parent_key="datasource")
 
 
-def export_get(call, parent_id, child_id):
+def _export_get(call, child_id):
     """Id 0: export the datasource now; a positive id: an earlier export."""
     if child_id == 0:
-        return {"export": _export_record(call, _run_export(call, parent_id))}
-    return {"export": _export_record(call, _get_child(call, EXPORT, parent_id, child_id))}
+        return {"export": _export_record(call, _run_export(call))}
+    return EXPORT.get(call, child_id)
 
 
 def _export_folder(db):
     return os.path.abspath(db) + "-exports"
 
 
-def _run_export(call, datasource_id):
+def _run_export(call):
     """Write the active recipients to a CSV file beside the database.
 
     Not one transaction on purpose: the file is written from one read
@@ -1791,8 +1886,11 @@ def _run_export(call, datasource_id):
     the record and the file are removed again.
     """
     conn, folder = call.conn, _export_folder(call.service.db)
+    datasource_id = call.parent["id"]
     with transaction(conn):
-        datasource = get_datasource(conn, call.account, datasource_id, live=True)
+        # Looked up again inside the transaction: a GET, so the pipeline's
+        # look-up did not refuse a deleted datasource.
+        datasource = DATASOURCE.find(conn, call.account, datasource_id, live=True)
         _purge_exports(conn)
         expires = (datetime.datetime.now(datetime.timezone.utc) + EXPORT_LIFETIME)
         export_id = conn.execute(
@@ -1862,7 +1960,7 @@ def _notify_export(call, datasource, row):
                   f'Export of "{datasource["name"]}" is ready', body)
 
 
-def download(call, token):
+def _download(call, token):
     """The CSV of an export, to anyone holding its link, until it expires."""
     row = call.conn.execute("SELECT * FROM export WHERE token = ?", (token,)).fetchone()
     if row is None or row["status"] != "finished" or row["expires"] <= _now() \
@@ -1875,73 +1973,52 @@ def download(call, token):
 
 # Organize -------------------------------------------------------------------
 
-def _organize_record(conn, row):
+def _organize_record(call, row):
     return {"id": str(row["id"]), "item": str(row["item"]), "folder": row["folder"],
             "sortorder": str(row["sortorder"])}
 
 
-ORGANIZE = Kind("organize", "organize", _organize_record, soft_delete=False,
-                label="organize record")
-
-
-def organize_get(call, parent_id, child_id):
-    return _child_get(call, ORGANIZE, parent_id, child_id, parent="item")
-
-
-def organize_create(call, parent_id, child_id):
-    get_datasource(call.conn, call.account, parent_id, live=True)
-    if call.params["item"] != parent_id:
-        raise InvalidParameter(f"'item' must be the datasource in the path ({parent_id}).",
-                               field="item")
-    existing = call.conn.execute("SELECT id FROM organize WHERE item = ?", (parent_id,)).fetchone()
-    if existing:
-        raise Conflict(f"Datasource {parent_id} already has organize record {existing['id']}; "
-                       "change it with POST.")
-    new_id = insert_record(call.conn, "organize", child_id,
-                           {"item": parent_id, **_columns(call, ("folder", "sortorder"))})
-    return {"id": str(new_id)}
-
-
-def organize_change(call, parent_id, child_id):
-    """Spec rule 4: the datasource ``parent_id`` names the record; ``id`` repeats its id."""
-    get_datasource(call.conn, call.account, parent_id, live=True)
-    row = call.conn.execute("SELECT id FROM organize WHERE item = ?", (parent_id,)).fetchone()
+def _organize_values(call, row):
     if row is None:
-        raise NotFound(f"Datasource {parent_id} has no organize record; create one with PUT.")
-    if call.params["id"] != row["id"]:
-        raise InvalidParameter(f"'id' must be the id of datasource {parent_id}'s organize record "
-                               f"({row['id']}).", field="id")
-    update_record(call.conn, "organize", row["id"], _columns(call, ("folder", "sortorder")))
-    return True
+        existing = call.conn.execute("SELECT id FROM organize WHERE item = ?",
+                                     (call.parent["id"],)).fetchone()
+        if existing:
+            raise Conflict(f"Datasource {call.parent['id']} already has organize record "
+                           f"{existing['id']}; change it with POST.")
+    return _columns(call, ("folder", "sortorder"))
+
+
+#: Spec rule 4: on Change the datasource names its one organize record, and
+#: ``id`` repeats that record's id.
+ORGANIZE = Resource("organize", "organize", _organize_record, parent=DATASOURCE, parent_key="item",
+                    columns="folder:str sortorder:int", required="folder sortorder",
+                    parent_param="item", single=True, repeat={"change": "id!"},
+                    values=_organize_values, stamped=False, label="organize record")
 
 
 # ---------------------------------------------------------------------------
 # Messages and sender profiles
 # ---------------------------------------------------------------------------
 
-#: The columns a Create or Change message takes (all optional: verify says
-#: what a message still lacks before it can be sent).
-_MESSAGE_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto", "html", "text")
-_PROFILE_COLUMNS = ("name", "fromname", "fromaddress", "replyto")
 #: Values that end up in mail headers; the ``str``/``email`` parameter types
 #: refuse line breaks, verify checks stored rows once more.
 _HEADER_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto")
 
 
-def _plain_record(columns):
-    """The record shape of a table whose record is its columns, as strings."""
-    def shape(conn, row):
-        return {"id": str(row["id"]), "owner": str(row["owner"]),
-                **{name: row[name] for name in columns},
-                "created": row["created"], "deleted": str(row["deleted"])}
-    return shape
+def _plain_record(call, row):
+    """The record of a table whose record is its columns, as strings."""
+    return {name: row[name] if isinstance(row[name], str) or row[name] is None else str(row[name])
+            for name in row.keys()}
 
 
-MESSAGE = Resource("message", "message", _plain_record(_MESSAGE_COLUMNS),
-                   lambda call, row: _columns(call, _MESSAGE_COLUMNS))
-ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record(_PROFILE_COLUMNS),
-                          lambda call, row: _columns(call, _PROFILE_COLUMNS),
-                          label="sender profile")
+#: Every column is optional: verify says what a message still lacks before
+#: it can be sent.
+MESSAGE = Resource("message", "message", _plain_record,
+                   columns="name:str subject:str fromname:str fromaddress:email replyto:email "
+                           "html:text text:text", repeat={"delete": "id"})
+ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
+                          columns="name:str fromname:str fromaddress:email replyto:email",
+                          repeat={"delete": "id"}, label="sender profile")
 
 
 # ---------------------------------------------------------------------------
@@ -2025,7 +2102,7 @@ def _checked_datasources(conn, account, given):
         if datasource is None:
             raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
                                    field="datasources")
-        get_owned(conn, DATASOURCE, account, datasource, live=True)
+        DATASOURCE.find(conn, account, datasource, live=True)
         if datasource not in ids:
             ids.append(datasource)
     return ids
@@ -2107,22 +2184,24 @@ def segment_size(conn, segment):
                         params).fetchone()[0]
 
 
-def _segment_record(conn, row):
+def _segment_record(call, row):
     return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
             "datasources": [str(d) for d in json.loads(row["datasources"])],
             "match": row["match"], "conditions": json.loads(row["conditions"]),
-            "size": str(segment_size(conn, row)), "created": row["created"],
+            "size": str(segment_size(call.conn, row)), "created": row["created"],
             "deleted": str(row["deleted"])}
 
 
-SEGMENT = Resource("segment", "segment", _segment_record, _segment_values)
+SEGMENT = Resource("segment", "segment", _segment_record,
+                   columns="name:str datasources:list match:all|any conditions:list",
+                   values=_segment_values, repeat={"delete": "id"})
 
 
 # ---------------------------------------------------------------------------
 # Campaigns
 # ---------------------------------------------------------------------------
 
-def _campaign_record(conn, row):
+def _campaign_record(call, row):
     return {"id": str(row["id"]), "owner": str(row["owner"]),
             "accountprofile": str(row["accountprofile"]), "name": row["name"],
             "description": row["description"], "enabled": str(row["enabled"]),
@@ -2132,50 +2211,15 @@ def _campaign_record(conn, row):
             "archiveid": str(row["id"])}
 
 
-_CAMPAIGN_COLUMNS = ("name", "description", "enabled", "archiveemail", "defaulttemplate",
-                     "thumbnail", "accountprofile")
-
-
-def _campaign_values(call, row=None):
+def _campaign_values(call, row):
     if call.get("scheduled") == 1:
         raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
                                "'scheduled' only takes '0', to cancel.", field="scheduled")
-    values = _columns(call, _CAMPAIGN_COLUMNS)
+    values = _columns(call, CAMPAIGN.column_names)
     for name in ("archiveemail", "thumbnail"):
         if values.get(name) == "":
             values[name] = None
     return values
-
-
-# `scheduled` is derived, not stored: 1 while the campaign has a batch waiting
-# for its time.
-CAMPAIGN = Resource("campaign", "campaign", _campaign_record, _campaign_values,
-                    columns="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
-                            "AND batch.status = 'scheduled') AS scheduled")
-
-
-def get_campaign(conn, account, campaign_id, *, live=False):
-    return get_owned(conn, CAMPAIGN, account, campaign_id, live=live)
-
-
-def campaign_get(call, id):
-    # The spec answers an array under emt_campaign, for one id as for all.
-    if id == "all":
-        return _listing("emt_campaign", *list_owned(call, CAMPAIGN))
-    return {"emt_campaign": [get_record(call, CAMPAIGN, id)["campaign"]]}
-
-
-def campaign_change(call, id):
-    CAMPAIGN.change(call, id)
-    if call.get("scheduled") == 0:
-        cancel_batches(call.conn, id)
-    return True
-
-
-def campaign_delete(call, id):
-    CAMPAIGN.delete(call, id)
-    cancel_batches(call.conn, id)
-    return True
 
 
 def cancel_batches(conn, campaign_id):
@@ -2184,88 +2228,73 @@ def cancel_batches(conn, campaign_id):
                  "WHERE campaign = ? AND status = 'scheduled'", (_now(), campaign_id))
 
 
+def _cancel_if_unscheduled(call, campaign_id):
+    if call.get("scheduled") == 0:
+        cancel_batches(call.conn, campaign_id)
+
+
+#: ``scheduled`` is derived, not stored: 1 while the campaign has a batch
+#: waiting for its time (read in the same statement as the record).
+CAMPAIGN = Resource(
+    "campaign", "campaign", _campaign_record,
+    columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
+            "defaulttemplate:str thumbnail:str", required="name accountprofile",
+    extra={"change": "scheduled:flag"}, values=_campaign_values,
+    select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
+           "AND batch.status = 'scheduled') AS scheduled",
+    after_change=_cancel_if_unscheduled,
+    on_delete=lambda call, row: cancel_batches(call.conn, row["id"]),
+    answer="emt_campaign", one_as_list=True)
+
+
 # ---------------------------------------------------------------------------
 # Campaign messages, structure, verify
 # ---------------------------------------------------------------------------
 
-_LINKS = ("SELECT cm.id, cm.campaign, cm.segment, cm.message, cm.priority, m.subject, m.name "
-          "FROM campaign_message cm JOIN message m ON m.id = cm.message ")
-#: The sending order: lower priority numbers first, then the order of linking.
-_LINK_ORDER = " ORDER BY cm.priority, cm.id"
-
-
-def _link_record(row):
+def _link_record(call, row):
     return {"id": str(row["id"]), "campaign": str(row["campaign"]),
             "segment": str(row["segment"]), "message": str(row["message"]),
             "priority": str(row["priority"]), "subject": row["subject"], "name": row["name"]}
 
 
-def campaign_links(conn, campaign_id):
-    """The campaign's message links (with the message's subject and name) in
-    sending order: lower ``priority`` first, then the order they were made."""
-    return conn.execute(_LINKS + "WHERE cm.campaign = ?" + _LINK_ORDER, (campaign_id,)).fetchall()
-
-
-def _get_link(conn, campaign_id, link_id):
-    row = conn.execute(_LINKS + "WHERE cm.campaign = ? AND cm.id = ?",
-                       (campaign_id, link_id)).fetchone()
-    if row is None:
-        raise NotFound(f"Campaign {campaign_id} has no campaign message {link_id}.")
-    return row
-
-
-def _link_values(call, campaign_id, link_id=0, link=None):
+def _link_values(call, row):
     """The checked ``segment``, ``message``, ``priority`` of a link: the segment
     and message must be the account's and in use; a duplicate link is 409."""
-    values = _columns(call, ("segment", "message", "priority"))
+    campaign_id = call.parent["id"]
+    values = _columns(call, LINK.column_names)
     if "segment" in values:
-        get_owned(call.conn, SEGMENT, call.account, values["segment"], live=True)
+        SEGMENT.find(call.conn, call.account, values["segment"], live=True)
     if "message" in values:
-        get_owned(call.conn, MESSAGE, call.account, values["message"], live=True)
-    segment = values.get("segment", link and link["segment"])
-    message = values.get("message", link and link["message"])
+        MESSAGE.find(call.conn, call.account, values["message"], live=True)
+    segment = values.get("segment", row and row["segment"])
+    message = values.get("message", row and row["message"])
     duplicate = call.conn.execute(
         "SELECT id FROM campaign_message WHERE campaign = ? AND segment = ? AND message = ? "
-        "AND id != ?", (campaign_id, segment, message, link_id)).fetchone()
+        "AND id != ?", (campaign_id, segment, message, row["id"] if row else 0)).fetchone()
     if duplicate:
         raise Conflict(f"Campaign {campaign_id} already sends message {message} to segment "
                        f"{segment} (campaign message {duplicate['id']}).")
     return values
 
 
-def campaign_message_get(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id)
-    if child_id != "all":
-        return {"message": _link_record(_get_link(call.conn, parent_id, child_id))}
-    limit, offset = _page(call)
-    total = call.conn.execute("SELECT count(*) FROM campaign_message WHERE campaign = ?",
-                              (parent_id,)).fetchone()[0]
-    rows = call.conn.execute(_LINKS + "WHERE cm.campaign = ?" + _LINK_ORDER + " LIMIT ? OFFSET ?",
-                             (parent_id, limit, offset))
-    return _listing("message", [_link_record(row) for row in rows], total, limit, offset)
+#: A campaign message links a message to a segment.  The sending order:
+#: lower priority numbers first, then the order of linking.
+LINK = Resource(
+    "campaign message", "campaign_message", _link_record, parent=CAMPAIGN, parent_key="campaign",
+    columns="segment:int message:int priority:int", required="segment message",
+    repeat={"change": "segmentmessageid!", "delete": "segmentmessagehack!"}, values=_link_values,
+    select="campaign_message.*, message.subject, message.name",
+    source="campaign_message JOIN message ON message.id = campaign_message.message",
+    order="campaign_message.priority, campaign_message.id",
+    stamped=False, answer="message", schema="campaignmessage")
 
 
-def campaign_message_create(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id, live=True)
-    values = {"campaign": parent_id, **_link_values(call, parent_id)}
-    return {"id": str(insert_record(call.conn, "campaign_message", child_id, values))}
-
-
-def campaign_message_change(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id, live=True)
-    link = _get_link(call.conn, parent_id, child_id)
-    _same_id(call, "segmentmessageid", child_id)
-    update_record(call.conn, "campaign_message", child_id,
-                  _link_values(call, parent_id, child_id, link))
-    return True
-
-
-def campaign_message_delete(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id, live=True)
-    _get_link(call.conn, parent_id, child_id)
-    _same_id(call, "segmentmessagehack", child_id)
-    call.conn.execute("DELETE FROM campaign_message WHERE id = ?", (child_id,))
-    return True
+def campaign_links(conn, campaign_id):
+    """The campaign's message links (with the message's subject and name) in
+    sending order."""
+    return conn.execute(f"SELECT {LINK.select} FROM {LINK.source} "
+                        f"WHERE campaign_message.campaign = ? ORDER BY {LINK.order}",
+                        (campaign_id,)).fetchall()
 
 
 def _whole_campaign(campaign_id, child_id, what):
@@ -2312,7 +2341,7 @@ def campaign_structure(conn, account, campaign_id):
 
     An address in several segments receives only the message of the first.
     """
-    get_campaign(conn, account, campaign_id)
+    CAMPAIGN.find(conn, account, campaign_id)
     entries = {}
     for link in campaign_links(conn, campaign_id):
         entry = entries.setdefault(link["segment"], {
@@ -2330,148 +2359,163 @@ def campaign_structure(conn, account, campaign_id):
     return {"id": str(campaign_id), "campaign": str(campaign_id), "segments": segments}
 
 
-def campaign_structure_get(call, parent_id, child_id):
-    _whole_campaign(parent_id, child_id, "structure")
-    return {"structure": campaign_structure(call.conn, call.account, parent_id)}
+def _campaign_structure_get(call, child_id):
+    _whole_campaign(call.parent["id"], child_id, "structure")
+    return {"structure": campaign_structure(call.conn, call.account, call.parent["id"])}
 
 
-def campaign_verify_get(call, parent_id, child_id):
-    _whole_campaign(parent_id, child_id, "verify")
-    return {"verify": verify_campaign(call.conn, call.account, parent_id)}
+def _campaign_verify_get(call, child_id):
+    _whole_campaign(call.parent["id"], child_id, "verify")
+    return {"verify": verify_campaign(call.conn, call.account, call.parent["id"])}
 
 
 def _label(kind, row):
     return f"{kind} {row['id']} ('{row['name']}')" if row["name"] else f"{kind} {row['id']}"
 
 
-def verify_campaign(conn, account, campaign_id):
-    """Check whether campaign ``campaign_id`` can be sent; the verify record.
+class _Campaign:
+    """What verify's checks look at: the campaign, its sender profile, its
+    links, and the messages and segments they name (by id)."""
 
-    Every check is always listed, with ``passed`` '1' or '0' and a message
-    that says what to fix and how.  Sending refuses a campaign whose record
-    says ``passed: '0'`` (409 verification_failed, with the checks).
+    def __init__(self, conn, account, campaign_id):
+        self.conn, self.id = conn, campaign_id
+        self.row = CAMPAIGN.find(conn, account, campaign_id)
+        self.profile_id = self.row["accountprofile"]
+        self.profile_row = conn.execute("SELECT * FROM accountprofile WHERE id = ? AND owner = ?",
+                                        (self.profile_id, account)).fetchone()
+        self.profile = None if self.profile_row is None or self.profile_row["deleted"] \
+            else self.profile_row
+        self.profile_address = self.profile is not None and _normalize_email(
+            self.profile["fromaddress"])
+        self.links = campaign_links(conn, campaign_id)
+        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links])
+        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links])
 
-    :param conn: a connection (see connect()).
-    :param account: the id of the account that owns the campaign (404 if not).
-    :param campaign_id: the campaign to check.
-    """
-    campaign = get_campaign(conn, account, campaign_id)
-    cid, pid = campaign_id, campaign["accountprofile"]
-    profile = conn.execute("SELECT * FROM accountprofile WHERE id = ? AND owner = ?",
-                           (pid, account)).fetchone()
-    if profile is not None and profile["deleted"]:
-        profile = None
-    links = campaign_links(conn, campaign_id)
-    messages = _rows_by_id(conn, "message", [link["message"] for link in links])
-    segments = _rows_by_id(conn, "segment", [link["segment"] for link in links])
-    checks = []
+    def senders(self):
+        """``(kind, row, fix path)`` of every row whose header values are sent."""
+        senders = [("message", m, f"/v1/message/{m['id']}") for m in self.messages.values()]
+        if self.profile is not None:
+            senders.append(("sender profile", self.profile,
+                            f"/v1/accountprofile/{self.profile_id}"))
+        return senders
 
-    def check(name, problems, passed_message):
-        checks.append({"check": name, "passed": "0" if problems else "1",
-                       "message": " ".join(problems) if problems else passed_message})
 
-    check("campaign_enabled", [] if campaign["enabled"] else [
-        f"Campaign {cid} is disabled: enable it with POST /v1/campaign/{cid} and enabled '1'."],
-        f"Campaign {cid} is enabled.")
-    check("campaign_not_deleted", [] if not campaign["deleted"] else [
-        f"Campaign {cid} is deleted and cannot be sent any more: create a new campaign."],
-        f"Campaign {cid} is not deleted.")
-    other = f"point the campaign at another one with POST /v1/campaign/{cid} and accountprofile"
-    if profile is not None:
-        missing = []
-    elif conn.execute("SELECT 1 FROM accountprofile WHERE id = ? AND owner = ?",
-                      (pid, account)).fetchone():
-        missing = [f"Sender profile {pid} is deleted: {other}."]
+#: Verify's checks, in the order the record lists them: ``(name, check)``,
+#: each check giving ``(problems, message when it passes)`` for a _Campaign.
+VERIFY_CHECKS = []
+
+
+def _verify_check(name):
+    def register(check):
+        VERIFY_CHECKS.append((name, check))
+        return check
+    return register
+
+
+@_verify_check("campaign_enabled")
+def _check_enabled(c):
+    return [] if c.row["enabled"] else [
+        f"Campaign {c.id} is disabled: enable it with POST /v1/campaign/{c.id} and enabled '1'."
+    ], f"Campaign {c.id} is enabled."
+
+
+@_verify_check("campaign_not_deleted")
+def _check_not_deleted(c):
+    return [] if not c.row["deleted"] else [
+        f"Campaign {c.id} is deleted and cannot be sent any more: create a new campaign."
+    ], f"Campaign {c.id} is not deleted."
+
+
+@_verify_check("sender_profile")
+def _check_profile(c):
+    pid = c.profile_id
+    other = f"point the campaign at another one with POST /v1/campaign/{c.id} and accountprofile"
+    if c.profile is not None:
+        problems = []
+    elif c.profile_row is not None:
+        problems = [f"Sender profile {pid} is deleted: {other}."]
     else:
-        missing = [f"Sender profile {pid} does not exist: create it with "
-                   f"PUT /v1/accountprofile/{pid} (fromname, fromaddress) or {other}."]
-    check("sender_profile", missing, f"Sender profile {pid} exists.")
-    profile_address = profile is not None and _normalize_email(profile["fromaddress"])
-    check("sender_address", [] if profile_address else [
+        problems = [f"Sender profile {pid} does not exist: create it with "
+                    f"PUT /v1/accountprofile/{pid} (fromname, fromaddress) or {other}."]
+    return problems, f"Sender profile {pid} exists."
+
+
+@_verify_check("sender_address")
+def _check_profile_address(c):
+    pid = c.profile_id
+    return [] if c.profile_address else [
         f"Sender profile {pid} has no valid from address: set fromaddress with "
-        f"POST /v1/accountprofile/{pid}." if profile is not None else
+        f"POST /v1/accountprofile/{pid}." if c.profile is not None else
         f"There is no sender profile {pid} to send as: the campaign needs one with a valid "
-        "fromaddress (see sender_profile)."],
-        f"Sender profile {pid} sends as {profile_address}.")
-    check("campaign_messages", [] if links else [
-        f"Campaign {cid} has no messages: link a message to a segment with "
-        f"PUT /v1/campaign/{cid}/message/0 (segment, message)."],
-        f"Campaign {cid} has {len(links)} campaign message(s).")
-    check("links_in_use", [
+        "fromaddress (see sender_profile)."], f"Sender profile {pid} sends as {c.profile_address}."
+
+
+@_verify_check("campaign_messages")
+def _check_links(c):
+    return [] if c.links else [
+        f"Campaign {c.id} has no messages: link a message to a segment with "
+        f"PUT /v1/campaign/{c.id}/message/0 (segment, message)."
+    ], f"Campaign {c.id} has {len(c.links)} campaign message(s)."
+
+
+@_verify_check("links_in_use")
+def _check_links_in_use(c):
+    return [
         f"{_label(kind, row).capitalize()} is deleted: remove campaign message {link['id']} "
-        f"(DELETE /v1/campaign/{cid}/message/{link['id']}) or link another {kind} instead."
-        for link in links
-        for kind, row in (("message", messages[link["message"]]),
-                          ("segment", segments[link["segment"]]))
-        if row["deleted"]],
-        "No linked message or segment is deleted.")
-    check("message_subject", [
-        f"{_label('message', m).capitalize()} has no subject: set subject with "
-        f"POST /v1/message/{m['id']}." for m in messages.values() if not m["subject"].strip()],
-        "Every message has a subject.")
-    check("message_from", [
+        f"(DELETE /v1/campaign/{c.id}/message/{link['id']}) or link another {kind} instead."
+        for link in c.links
+        for kind, row in (("message", c.messages[link["message"]]),
+                          ("segment", c.segments[link["segment"]]))
+        if row["deleted"]], "No linked message or segment is deleted."
+
+
+@_verify_check("message_subject")
+def _check_subjects(c):
+    return [f"{_label('message', m).capitalize()} has no subject: set subject with "
+            f"POST /v1/message/{m['id']}." for m in c.messages.values() if not m["subject"].strip()
+            ], "Every message has a subject."
+
+
+@_verify_check("message_from")
+def _check_from(c):
+    return [
         f"{_label('message', m).capitalize()} has no valid from address: set fromaddress on "
-        f"the message (POST /v1/message/{m['id']}) or on sender profile {pid}."
-        for m in messages.values()
-        if not (_normalize_email(m["fromaddress"]) if m["fromaddress"] else profile_address)],
-        "Every message has a valid from address (its own or the sender profile's).")
-    check("message_body", [
-        f"{_label('message', m).capitalize()} has no body: set html and/or text with "
-        f"POST /v1/message/{m['id']}." for m in messages.values()
-        if not (m["html"].strip() or m["text"].strip())],
-        "Every message has a body.")
-    check("unsubscribe_link", [
+        f"the message (POST /v1/message/{m['id']}) or on sender profile {c.profile_id}."
+        for m in c.messages.values()
+        if not (_normalize_email(m["fromaddress"]) if m["fromaddress"] else c.profile_address)
+    ], "Every message has a valid from address (its own or the sender profile's)."
+
+
+@_verify_check("message_body")
+def _check_bodies(c):
+    return [f"{_label('message', m).capitalize()} has no body: set html and/or text with "
+            f"POST /v1/message/{m['id']}." for m in c.messages.values()
+            if not (m["html"].strip() or m["text"].strip())], "Every message has a body."
+
+
+@_verify_check("unsubscribe_link")
+def _check_unsubscribe_links(c):
+    return [
         f"The {part} body of {_label('message', m)} has no {{{{unsubscribe_url}}}} merge tag: "
         f"add an unsubscribe link to it, e.g. {example}."
-        for m in messages.values()
+        for m in c.messages.values()
         for part, example in (("html", '<a href="{{unsubscribe_url}}">Unsubscribe</a>'),
                               ("text", "'Unsubscribe: {{unsubscribe_url}}'"))
         if (m[part].strip() or not (m["html"].strip() or m["text"].strip()))
-        and "unsubscribe_url" not in merge_tags(m[part])],
-        "Every message body carries {{unsubscribe_url}}.")
-    check("merge_tags", _unknown_tags(conn, links, messages, segments),
-          "Every merge tag names email, unsubscribe_url or a field of the segment's datasources.")
-    sizes = {s["id"]: segment_size(conn, s) for s in segments.values()}
-    check("segment_recipients", [
-        f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
-        "into its datasources or loosen its conditions." for s in segments.values() if not sizes[s["id"]]],
-        "Every segment has active recipients (" + ", ".join(
-            f"segment {s}: {n}" for s, n in sizes.items()) + ").")
-    check("segment_definition", [problem for s in segments.values() for problem in _segment_problems(conn, s)],
-          "Every segment uses live datasources and fields that exist.")
-    archive = campaign["archiveemail"]
-    check("archive_email", [] if not archive or _normalize_email(archive) else [
-        f"The archive address '{archive}' of campaign {cid} is not a valid email address: "
-        f"correct it, or clear it with archiveemail '', with POST /v1/campaign/{cid}."],
-        "The archive address is empty or valid.")
-    senders = [("message", m, f"/v1/message/{m['id']}") for m in messages.values()]
-    if profile is not None:
-        senders.append(("sender profile", profile, f"/v1/accountprofile/{pid}"))
-    check("reply_to", [
-        f"The replyto '{row['replyto']}' of {_label(kind, row)} is not a valid email address: "
-        f"correct it with POST {path}." for kind, row, path in senders
-        if row["replyto"] and not _normalize_email(row["replyto"])],
-        "Every reply-to address is empty or valid.")
-    check("header_line_breaks", [
-        f"The {column} of {_label(kind, row)} holds a line break, which would break the "
-        f"email's headers: set it again on one line with POST {path}."
-        for kind, row, path in senders for column in _HEADER_COLUMNS
-        if column in row.keys() and ("\r" in row[column] or "\n" in row[column])],
-        "No header value holds a line break.")
-    passed = all(item["passed"] == "1" for item in checks)
-    return {"id": str(cid), "campaign": str(cid), "passed": "1" if passed else "0",
-            "checks": checks, "verified": _now()}
+        and "unsubscribe_url" not in merge_tags(m[part])
+    ], "Every message body carries {{unsubscribe_url}}."
 
 
-def _unknown_tags(conn, links, messages, segments):
-    """Problems for merge tags that a message uses and the datasources of a
-    segment it is sent to lack as fields (``messages``, ``segments``: by id)."""
+@_verify_check("merge_tags")
+def _check_merge_tags(c):
+    """Merge tags that a message uses and the datasources of a segment it is
+    sent to lack as fields."""
     problems = []
-    for link in links:
-        message, segment = messages[link["message"]], segments[link["segment"]]
+    for link in c.links:
+        message, segment = c.messages[link["message"]], c.segments[link["segment"]]
         known = {"email", "unsubscribe_url"}
         for datasource in json.loads(segment["datasources"]):
-            known.update(datasource_fields(conn, datasource))
+            known.update(datasource_fields(c.conn, datasource))
         unknown = sorted(set().union(*(merge_tags(message[part])
                                        for part in ("subject", "html", "text"))) - known)
         if unknown:
@@ -2480,29 +2524,92 @@ def _unknown_tags(conn, links, messages, segments):
                 f"{_label('message', message).capitalize()} uses {tags}, which no datasource of "
                 f"{_label('segment', segment)} has as a field: add the field to the datasource "
                 f"or correct the tag (POST /v1/message/{message['id']}).")
-    return problems
+    return problems, ("Every merge tag names email, unsubscribe_url or a field of the segment's "
+                      "datasources.")
 
 
-def _segment_problems(conn, segment):
-    label = _label("segment", segment).capitalize()
-    fix = f"POST /v1/segment/{segment['id']}"
-    datasources = json.loads(segment["datasources"])
-    if not datasources:
-        return [f"{label} has no datasources: set datasources with {fix}."]
-    problems, fields = [], set()
-    for row in _rows_by_id(conn, "datasource", datasources).values():
-        if row["deleted"]:
-            problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
-                            f"set its datasources again with {fix}.")
-        else:
-            fields.update(datasource_fields(conn, row["id"]))
-    for condition in json.loads(segment["conditions"]):
-        name = condition["field"]
-        if name.lower() != "email" and name.lower() not in fields:
-            problems.append(f"{label} has a condition on the field '{name}', which none of its "
-                            f"datasources has (renamed or removed?): correct its conditions "
-                            f"with {fix}.")
-    return problems
+@_verify_check("segment_recipients")
+def _check_segment_sizes(c):
+    sizes = {s["id"]: segment_size(c.conn, s) for s in c.segments.values()}
+    return [f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
+            "into its datasources or loosen its conditions." for s in c.segments.values()
+            if not sizes[s["id"]]], "Every segment has active recipients (" + ", ".join(
+                f"segment {s}: {n}" for s, n in sizes.items()) + ")."
+
+
+@_verify_check("segment_definition")
+def _check_segment_definitions(c):
+    problems = []
+    for segment in c.segments.values():
+        label = _label("segment", segment).capitalize()
+        fix = f"POST /v1/segment/{segment['id']}"
+        datasources = json.loads(segment["datasources"])
+        if not datasources:
+            problems.append(f"{label} has no datasources: set datasources with {fix}.")
+            continue
+        fields = set()
+        for row in _rows_by_id(c.conn, "datasource", datasources).values():
+            if row["deleted"]:
+                problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
+                                f"set its datasources again with {fix}.")
+            else:
+                fields.update(datasource_fields(c.conn, row["id"]))
+        for condition in json.loads(segment["conditions"]):
+            name = condition["field"]
+            if name.lower() != "email" and name.lower() not in fields:
+                problems.append(f"{label} has a condition on the field '{name}', which none of "
+                                f"its datasources has (renamed or removed?): correct its "
+                                f"conditions with {fix}.")
+    return problems, "Every segment uses live datasources and fields that exist."
+
+
+@_verify_check("archive_email")
+def _check_archive_email(c):
+    archive = c.row["archiveemail"]
+    return [] if not archive or _normalize_email(archive) else [
+        f"The archive address '{archive}' of campaign {c.id} is not a valid email address: "
+        f"correct it, or clear it with archiveemail '', with POST /v1/campaign/{c.id}."
+    ], "The archive address is empty or valid."
+
+
+@_verify_check("reply_to")
+def _check_reply_to(c):
+    return [f"The replyto '{row['replyto']}' of {_label(kind, row)} is not a valid email "
+            f"address: correct it with POST {path}." for kind, row, path in c.senders()
+            if row["replyto"] and not _normalize_email(row["replyto"])
+            ], "Every reply-to address is empty or valid."
+
+
+@_verify_check("header_line_breaks")
+def _check_header_line_breaks(c):
+    return [f"The {column} of {_label(kind, row)} holds a line break, which would break the "
+            f"email's headers: set it again on one line with POST {path}."
+            for kind, row, path in c.senders() for column in _HEADER_COLUMNS
+            if column in row.keys() and ("\r" in row[column] or "\n" in row[column])
+            ], "No header value holds a line break."
+
+
+def verify_campaign(conn, account, campaign_id):
+    """Check whether campaign ``campaign_id`` can be sent; the verify record.
+
+    Every check of VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
+    and a message that says what to fix and how.  Sending refuses a campaign
+    whose record says ``passed: '0'`` (409 verification_failed, with the checks).
+
+    :param conn: a connection (see connect()).
+    :param account: the id of the account that owns the campaign (404 if not).
+    :param campaign_id: the campaign to check.
+    """
+    campaign = _Campaign(conn, account, campaign_id)
+    checks = []
+    for name, check in VERIFY_CHECKS:
+        problems, passed_message = check(campaign)
+        checks.append({"check": name, "passed": "0" if problems else "1",
+                       "message": " ".join(problems) if problems else passed_message})
+    passed = all(item["passed"] == "1" for item in checks)
+    return {"id": str(campaign_id), "campaign": str(campaign_id), "passed": "1" if passed else "0",
+            "checks": checks, "verified": _now()}
+
 
 
 # ---------------------------------------------------------------------------
@@ -2532,8 +2639,8 @@ def parse_timestamp(value, now=None):
     return max(stamp, now)
 
 
-def campaign_send(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id, live=True)
+def _campaign_send(call, child_id):
+    parent_id = call.parent["id"]
     when = parse_timestamp(call.get("timestamp"))
     report = verify_campaign(call.conn, call.account, parent_id)
     if report["passed"] != "1":
@@ -2652,23 +2759,13 @@ def _batch_record(conn, batch, with_messages=True):
     return record
 
 
-BATCH = Kind("batcharchive", "batch", _batch_record, soft_delete=False, label="batch")
+BATCH = Resource("batcharchive", "batch", lambda call, row: _batch_record(call.conn, row),
+                 parent=CAMPAIGN, parent_key="campaign", label="batch")
 
 
-def batcharchive_get(call, parent_id, child_id):
-    get_campaign(call.conn, call.account, parent_id)
-    if child_id == "all":
-        return _listing("batcharchive", *list_page(call, BATCH, "campaign = ?", (parent_id,)))
-    batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
-                              (child_id, parent_id)).fetchone()
-    if batch is None:
-        raise NotFound(f"Campaign {parent_id} has no batch {child_id}.")
-    return {"batcharchive": _batch_record(call.conn, batch)}
-
-
-def archive_get(call, parent_id, child_id):
+def _archive_get(call, child_id):
     # A campaign has one archive, whose id (archiveid) is the campaign's.
-    get_campaign(call.conn, call.account, parent_id)
+    parent_id = call.parent["id"]
     if child_id not in (0, parent_id):
         raise NotFound(f"Campaign {parent_id} has no archive {child_id}; its archiveid is "
                        f"{parent_id}.")
@@ -2685,89 +2782,8 @@ def archive_get(call, parent_id, child_id):
 
 
 # ---------------------------------------------------------------------------
-# Rendering and the outbox
+# Public pages: unsubscribe (signed tokens, not stored; no key needed)
 # ---------------------------------------------------------------------------
-
-_MERGE_TAG = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
-
-
-def merge_tags(template):
-    """The names of the merge tags in ``template``, lower-cased."""
-    return {name.lower() for name in _MERGE_TAG.findall(template or "")}
-
-
-def render(template, values, *, as_html=False):
-    """Fill ``{{name}}`` merge tags from ``values`` (names without case).
-
-    Plain substitution, no template code: a value is inserted as text, and
-    HTML-escaped when ``as_html``.  An unknown tag becomes empty (verify
-    reports unknown tags before a campaign can be sent).
-    """
-    lowered = {name.lower(): value for name, value in values.items()}
-
-    def fill(match):
-        value = lowered.get(match.group(1).lower(), "")
-        return html.escape(str(value), quote=True) if as_html else str(value)
-
-    return _MERGE_TAG.sub(fill, template or "")
-
-
-def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None):
-    """Queue a ready-made email (a notification or an archive copy) in the
-    outbox; the worker delivers it.  Returns the outbox row id.
-
-    :param body: the plain-text body; ``html`` an optional HTML alternative.
-    """
-    return conn.execute(
-        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, kind, to_addr, subject, body, html, _now(), _now())).lastrowid
-
-
-def account_email(conn, account):
-    """The account holder's address, where notifications go."""
-    return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
-
-
-# ---------------------------------------------------------------------------
-# Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
-# ---------------------------------------------------------------------------
-
-#: A claim older than this belongs to a worker that died; its rows are queued again.
-STALE_CLAIM = datetime.timedelta(minutes=10)
-_INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
-                "not sent again, so that it cannot arrive twice")
-#: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
-RETRY_BASE, RETRY_CAP = 30, 3600
-#: Seconds before rows are tried again after the SMTP server could not be reached.
-CONNECTION_RETRY = 30
-MAX_ATTEMPTS = 8
-#: Seconds between progress lines in the log while a delivery runs.
-PROGRESS_INTERVAL = 10
-
-
-def default_mail_from():
-    """The sender of notifications and archive copies unless one is configured."""
-    return f"campaignapi@{socket.gethostname() or 'localhost'}"
-
-
-def _time_text(moment):
-    """A time as stored ('YYYY-MM-DD HH:MM:SS' UTC) from a datetime or that text."""
-    if moment is None:
-        return _now()
-    if isinstance(moment, datetime.datetime):
-        if moment.tzinfo is not None:
-            moment = moment.astimezone(datetime.timezone.utc)
-        return moment.strftime("%Y-%m-%d %H:%M:%S")
-    return str(moment)
-
-
-def _shift(moment_text, seconds):
-    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
-    return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
-
-
-# Unsubscribe tokens: signed, not stored. ------------------------------------
 
 def _b64(data):
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
@@ -2859,7 +2875,7 @@ def _unsubscribe_subject(call, token):
     return subject
 
 
-def unsubscribe_page(call, token):
+def _unsubscribe_page(call, token):
     # GET never unsubscribes: mail scanners and link previews fetch links.
     _, address, _ = _unsubscribe_subject(call, token)
     return _page_response("Unsubscribe", (
@@ -2868,12 +2884,50 @@ def unsubscribe_page(call, token):
         '<button type="submit">Unsubscribe</button></form>'))
 
 
-def unsubscribe_post(call, token):
+def _unsubscribe_post(call, token):
     # RFC 8058 one-click, and the confirm button of the page: both at once.
     account, address, campaign = _unsubscribe_subject(call, token)
     suppress(call.conn, account, address, "unsubscribed", campaign)
     return _page_response("Unsubscribed", (
         f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails.</p>"))
+
+
+# ---------------------------------------------------------------------------
+# Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
+# ---------------------------------------------------------------------------
+
+#: A claim older than this belongs to a worker that died; its rows are queued again.
+STALE_CLAIM = datetime.timedelta(minutes=10)
+_INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
+                "not sent again, so that it cannot arrive twice")
+#: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
+RETRY_BASE, RETRY_CAP = 30, 3600
+#: Seconds before rows are tried again after the SMTP server could not be reached.
+CONNECTION_RETRY = 30
+MAX_ATTEMPTS = 8
+#: Seconds between progress lines in the log while a delivery runs.
+PROGRESS_INTERVAL = 10
+
+
+def default_mail_from():
+    """The sender of notifications and archive copies unless one is configured."""
+    return f"campaignapi@{socket.gethostname() or 'localhost'}"
+
+
+def _time_text(moment):
+    """A time as stored ('YYYY-MM-DD HH:MM:SS' UTC) from a datetime or that text."""
+    if moment is None:
+        return _now()
+    if isinstance(moment, datetime.datetime):
+        if moment.tzinfo is not None:
+            moment = moment.astimezone(datetime.timezone.utc)
+        return moment.strftime("%Y-%m-%d %H:%M:%S")
+    return str(moment)
+
+
+def _shift(moment_text, seconds):
+    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
+    return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
 
 
 # MIME: the fixed part of an email is encoded once by the email package; what
@@ -3260,36 +3314,38 @@ class _Courier:
             self.conn.close()
 
     def deliver_chunk(self, rows):
+        """Send claimed rows one by one; each outcome is written before the
+        next SMTP attempt.  Returns the error when the server is unreachable."""
         run, results, bounces = self.run, [], []
         counts = dict.fromkeys(_COUNTS, 0)
         recipients = self.recipients(rows)
         unreachable = None
+
+        def outcome(row, counted, status, attempts, next_try=None, error=None, sent=None):
+            results.append((status, attempts, next_try, error, sent, row["id"]))
+            counts[counted] += 1
+
         for row in rows:
             attempts = row["attempts"] + 1
             if unreachable or run.stop.is_set():
                 # Not tried: back to the queue as it was (later if the server is down).
-                results.append(("queued", row["attempts"], unreachable and _shift(_now(), CONNECTION_RETRY),
-                                unreachable, None, row["id"]))
-                counts["requeued"] += 1
+                outcome(row, "requeued", "queued", row["attempts"],
+                        unreachable and _shift(_now(), CONNECTION_RETRY), unreachable)
                 continue
             try:
                 built = self.build(row, recipients)
             except Exception as error:  # bad data in this row must not stop the others
                 log.exception("outbox %s cannot be built", row["id"])
-                results.append(("failed", attempts, None, f"cannot build the email: {error}", None,
-                                row["id"]))
-                counts["failed"] += 1
+                outcome(row, "failed", "failed", attempts, error=f"cannot build the email: {error}")
                 continue
             if built is None:
-                results.append(("skipped", row["attempts"], None,
-                                "the recipient unsubscribed, bounced or was removed", None, row["id"]))
-                counts["skipped"] += 1
+                outcome(row, "skipped", "skipped", row["attempts"],
+                        error="the recipient unsubscribed, bounced or was removed")
                 continue
             sender, data = built
             if not (sender.isascii() and row["to_addr"].isascii()):
-                results.append(("failed", attempts, None, "non-ASCII addresses need SMTPUTF8, "
-                                "which campaignapi does not send", None, row["id"]))
-                counts["failed"] += 1
+                outcome(row, "failed", "failed", attempts, error="non-ASCII addresses need "
+                        "SMTPUTF8, which campaignapi does not send")
                 continue
             run.pace.wait(run.stop)
             if run.sign:
@@ -3299,23 +3355,19 @@ class _Courier:
                 reply = self.send(sender, row["to_addr"], data)
             except _Unreachable as error:
                 unreachable = str(error)
-                results.append(("queued", row["attempts"], _shift(_now(), CONNECTION_RETRY),
-                                unreachable, None, row["id"]))
-                counts["requeued"] += 1
+                outcome(row, "requeued", "queued", row["attempts"],
+                        _shift(_now(), CONNECTION_RETRY), unreachable)
                 continue
             if reply is None:
-                results.append(("sent", attempts, None, None, _now(), row["id"]))
-                counts["sent"] += 1
+                outcome(row, "sent", "sent", attempts, sent=_now())
                 continue
             code, text = reply
             error = f"{code} {text}"
             if 400 <= code < 500 and attempts < run.max_attempts:
                 delay = min(RETRY_BASE * 2 ** row["attempts"], RETRY_CAP)
-                results.append(("queued", attempts, _shift(_now(), delay), error, None, row["id"]))
-                counts["retried"] += 1
+                outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
                 continue
-            results.append(("failed", attempts, None, error, None, row["id"]))
-            counts["failed"] += 1
+            outcome(row, "failed", "failed", attempts, error=error)
             if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
                 letter = self.letters[(row["batch"], row["message"])]
@@ -3337,11 +3389,15 @@ def smtp_address(smtp):
 class _Run:
     """What the connections of one deliver() call share."""
 
-    def __init__(self, db, address, options):
+    def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
+                 sign, public_url, mail_from, secret, max_attempts, timeout, now, stop):
         self.db = db
         self.host, self.port = address
-        self.__dict__.update(options)
-        self.pace = _RateLimit(self.rate)
+        self.starttls, self.username, self.password = starttls, username, password
+        self.rate, self.chunk, self.worker_id, self.sign = rate, chunk, worker_id, sign
+        self.public_url, self.mail_from, self.secret = public_url, mail_from, secret
+        self.max_attempts, self.timeout, self.now, self.stop = max_attempts, timeout, now, stop
+        self.pace = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
@@ -3436,13 +3492,13 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         return {**dict.fromkeys(_COUNTS, 0), "error": None}
     # A claim must be sent well before it goes stale: claim about a minute's work.
     chunk = batch_size if not rate else max(1, min(batch_size, int(rate * 60 / connections)))
-    run = _Run(db, address, dict(
-        starttls=starttls, username=username, password=password, rate=rate, chunk=chunk,
-        worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}",
+    run = _Run(
+        db, address, starttls=starttls, username=username, password=password, rate=rate,
+        chunk=chunk, worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}",
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
         mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
-        stop=stop or threading.Event()))
+        stop=stop or threading.Event())
     couriers = [_Courier(run) for _ in range(max(1, connections))]
     if len(couriers) == 1:
         couriers[0].deliver()
@@ -3803,7 +3859,7 @@ def openapi_document(routes=None, base_url=None):
     return document
 
 
-def openapi_get(call):
+def _openapi_get(call):
     """The OpenAPI document itself (not in an envelope, so tools can read it)."""
     service = call.service
     if getattr(service, "openapi", None) is None:   # made once per app
@@ -3821,102 +3877,71 @@ _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no enve
 # The route table and create_app()
 # ---------------------------------------------------------------------------
 
-_PAGE = "limit:int offset:int"
-# What create and change of these records share (create makes name required).
-_DATASOURCE = "description:text origin:import|signup|api fields:list"
-_CAMPAIGN = ("description:text enabled:flag archiveemail:email defaulttemplate:str "
-             "thumbnail:str")
-
-def _record_routes(resource, fields):
-    """Get (an id or all), Create, Change and soft Delete of a Resource;
-    Create and Change take the same ``fields``, all optional."""
-    path = f"/{resource.name}/{{id}}"
-    return (Route("GET", f"/{resource.name}/{{id:int|all}}", "read", resource.get, _PAGE),
-            Route("PUT", path, "create", resource.create, fields),
-            Route("POST", path, "write", resource.change, fields),
-            Route("DELETE", path, "delete", resource.delete, "id:int"))
-
-
-#: Every route of the API: (method, path, level, handler, parameters).
+#: Every route of the API, one line each: (method, path, level, handler[, parameters]).
+#: A record kind's operation (DATASOURCE.get, .create, .change, .delete) takes
+#: the parameters its kind declares; other handlers list theirs here.  A path
+#: placeholder is an integer id unless it lists what it takes ({id:int|all}).
 ROUTES = [
-    # Datasources
-    Route("GET", "/datasource/{id:int|all|import}", "read", datasource_get, _PAGE,
-          summary="Get datasource (one, all, or the imported ones)", answers="datasource"),
-    Route("POST", "/datasource/{id}", "write", datasource_change, "name:str " + _DATASOURCE,
-          summary="Change datasource", answers=ANSWER_DONE),
-    Route("PUT", "/datasource/{id}", "create", datasource_create, "name:str! " + _DATASOURCE,
-          summary="Create datasource", answers=ANSWER_ID),
-    Route("DELETE", "/datasource/{id}", "delete", datasource_delete, "id:int!",
-          summary="Delete datasource", answers=ANSWER_DONE),
-
-    # Recipients, field changes, imports, exports, organize
-    Route("GET", "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", recipient_get,
-          _PAGE + " status:active|unsubscribed|bounced"),
-    Route("GET", "/datasource/{parent_id}/modify/{child_id:name}", "write", field_modify,
+    # Datasources and what lives in them
+    Route("GET",    "/datasource/{id:int|all|import}", "read", DATASOURCE.get,
+          summary="Get datasource (one, all, or the imported ones)"),
+    Route("PUT",    "/datasource/{id}", "create", DATASOURCE.create, summary="Create datasource"),
+    Route("POST",   "/datasource/{id}", "write",  DATASOURCE.change, summary="Change datasource"),
+    Route("DELETE", "/datasource/{id}", "delete", DATASOURCE.delete, summary="Delete datasource"),
+    Route("GET",    "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", RECIPIENT.get),
+    Route("GET",    "/datasource/{parent_id}/modify/{child_id:name}", "write", _field_modify,
           "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True),
-    Route("GET", "/datasource/{parent_id}/import/{child_id:int|all}", "read", import_get, _PAGE),
-    Route("PUT", "/datasource/{parent_id}/import/{child_id}", "create", import_create,
+    Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
+    Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
           "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!"),
-    Route("POST", "/datasource/{parent_id}/import/{child_id}", "write", import_change,
-          "id:int! name:str originalfile:str"),
-    Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", import_delete,
-          "id:int!"),
+    Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
+    Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
     # Not one transaction: _run_export() commits its record around the file.
-    Route("GET", "/datasource/{parent_id}/export/{child_id}", "read", export_get, ""),
-    Route("GET", "/datasource/{parent_id}/organize/{child_id:int|all}", "read", organize_get,
-          _PAGE),
-    Route("PUT", "/datasource/{parent_id}/organize/{child_id}", "create", organize_create,
-          "item:int! folder:str! sortorder:int!"),
-    Route("POST", "/datasource/{parent_id}/organize/{child_id}", "write", organize_change,
-          "id:int! folder:str sortorder:int"),
+    Route("GET",    "/datasource/{parent_id}/export/{child_id}", "read", _export_get, ""),
+    Route("GET",    "/datasource/{parent_id}/organize/{child_id:int|all}", "read", ORGANIZE.get),
+    Route("PUT",    "/datasource/{parent_id}/organize/{child_id}", "create", ORGANIZE.create),
+    Route("POST",   "/datasource/{parent_id}/organize/{child_id}", "write", ORGANIZE.change),
 
     # Messages, segments, sender profiles
-    *_record_routes(MESSAGE, "name:str subject:str fromname:str fromaddress:email "
-                             "replyto:email html:text text:text"),
-    *_record_routes(SEGMENT, "name:str datasources:list match:all|any conditions:list"),
-    *_record_routes(ACCOUNTPROFILE, "name:str fromname:str fromaddress:email replyto:email"),
+    Route("GET",    "/message/{id:int|all}", "read", MESSAGE.get),
+    Route("PUT",    "/message/{id}", "create", MESSAGE.create),
+    Route("POST",   "/message/{id}", "write",  MESSAGE.change),
+    Route("DELETE", "/message/{id}", "delete", MESSAGE.delete),
+    Route("GET",    "/segment/{id:int|all}", "read", SEGMENT.get),
+    Route("PUT",    "/segment/{id}", "create", SEGMENT.create),
+    Route("POST",   "/segment/{id}", "write",  SEGMENT.change),
+    Route("DELETE", "/segment/{id}", "delete", SEGMENT.delete),
+    Route("GET",    "/accountprofile/{id:int|all}", "read", ACCOUNTPROFILE.get),
+    Route("PUT",    "/accountprofile/{id}", "create", ACCOUNTPROFILE.create),
+    Route("POST",   "/accountprofile/{id}", "write",  ACCOUNTPROFILE.change),
+    Route("DELETE", "/accountprofile/{id}", "delete", ACCOUNTPROFILE.delete),
 
-    # Campaigns
-    Route("GET", "/campaign/{id:int|all}", "read", campaign_get, _PAGE,
-          summary="Get campaign (one or all)", answers=records_answer("emt_campaign", "campaign")),
-    Route("PUT", "/campaign/{id}", "create", CAMPAIGN.create,
-          "name:str! accountprofile:int! " + _CAMPAIGN, summary="Create campaign",
-          answers=ANSWER_ID),
-    Route("POST", "/campaign/{id}", "write", campaign_change,
-          "name:str accountprofile:int scheduled:flag " + _CAMPAIGN,
-          summary="Change campaign", answers=ANSWER_DONE),
-    Route("DELETE", "/campaign/{id}", "delete", campaign_delete, "",
-          summary="Delete campaign", answers=ANSWER_DONE),
-
-    # Campaign messages, structure, verify
-    Route("GET", "/campaign/{parent_id}/message/{child_id:int|all}", "read",
-          campaign_message_get, _PAGE, answers=("message", "campaignmessage")),
-    Route("PUT", "/campaign/{parent_id}/message/{child_id}", "create", campaign_message_create,
-          "segment:int! message:int! priority:int"),
-    Route("POST", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_change,
-          "segmentmessageid:int! segment:int message:int priority:int"),
-    Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", campaign_message_delete,
-          "segmentmessagehack:int!"),
-    Route("GET", "/campaign/{parent_id}/structure/{child_id}", "read", campaign_structure_get),
-    Route("GET", "/campaign/{parent_id}/verify/{child_id}", "read", campaign_verify_get),
-
-    # Send and archives
-    Route("PUT", "/campaign/{parent_id}/send/{child_id}", "create", campaign_send,
+    # Campaigns, their messages, structure, verify, sending, archives
+    Route("GET",    "/campaign/{id:int|all}", "read", CAMPAIGN.get,
+          summary="Get campaign (one or all)"),
+    Route("PUT",    "/campaign/{id}", "create", CAMPAIGN.create, summary="Create campaign"),
+    Route("POST",   "/campaign/{id}", "write",  CAMPAIGN.change, summary="Change campaign"),
+    Route("DELETE", "/campaign/{id}", "delete", CAMPAIGN.delete, summary="Delete campaign"),
+    Route("GET",    "/campaign/{parent_id}/message/{child_id:int|all}", "read", LINK.get),
+    Route("PUT",    "/campaign/{parent_id}/message/{child_id}", "create", LINK.create),
+    Route("POST",   "/campaign/{parent_id}/message/{child_id}", "write", LINK.change),
+    Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", LINK.delete),
+    Route("GET",    "/campaign/{parent_id}/structure/{child_id}", "read", _campaign_structure_get),
+    Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
+    Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
           "timestamp:scalar!"),
-    Route("GET", "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read",
-          batcharchive_get, _PAGE),
-    Route("GET", "/campaign/{parent_id}/archive/{child_id}", "read", archive_get, ""),
+    Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
+    Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
-    # Public routes (no key): downloads, unsubscribe, the OpenAPI document
-    Route("GET", "/openapi.json", None, openapi_get,
+    # Public routes (no key): the OpenAPI document, downloads, unsubscribe
+    Route("GET",    "/openapi.json", None, _openapi_get,
           summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
-    Route("GET", "/download/{token:name}", None, download, "",
+    Route("GET",    "/download/{token:name}", None, _download,
           summary="Download an export's CSV (the link from the export record)",
           answers={"description": "The export as a CSV attachment.",
                    "content": {"text/csv": {"schema": {"type": "string"}}}}),
-    Route("GET", "/unsubscribe/{token:name}", None, unsubscribe_page, reads_body=False),
-    Route("POST", "/unsubscribe/{token:name}", None, unsubscribe_post, reads_body=False),
-
+    Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False),
+    Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False),
 ]
 
 
