@@ -16,7 +16,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from hardeninghelpers import build_world, bulk_recipients
+from helpers import build_world, bulk_recipients
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 

@@ -17,7 +17,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from hardeninghelpers import build_world, snapshot
+from helpers import build_world, snapshot
 
 ROUTES = [route for route in campaignapi.ROUTES if route.level]
 

@@ -34,7 +34,7 @@ BOUNDED = settings(deadline=None, database=None,
 def served(tmp_path_factory):
     """An app with records 1 of every kind, its key, and its schemathesis schema."""
     from conftest import Api
-    from hardeninghelpers import build_world
+    from helpers import build_world
 
     db = str(tmp_path_factory.mktemp("fuzz") / "campaignapi.db")
     app = campaignapi.create_app(db)

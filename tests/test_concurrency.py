@@ -19,7 +19,7 @@ import webtest
 
 import campaignapi
 from conftest import Api, serving
-from hardeninghelpers import build_world
+from helpers import build_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS, OPERATIONS = 8, 40
