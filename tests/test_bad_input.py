@@ -11,7 +11,7 @@ import pytest
 import webtest
 
 import campaignapi
-from datahelpers import make_datasource, recipients
+from helpers import make_datasource, recipients
 from conftest import serving
 
 ROUTES = [route for route in campaignapi.ROUTES if route.level]

@@ -11,7 +11,8 @@ import time
 import pytest
 
 import campaignapi
-from smtp_sink import SmtpSink, free_port
+from helpers import free_port
+from smtp_sink import SmtpSink
 
 
 def rows(db, sql="SELECT * FROM outbox ORDER BY id", args=()):

@@ -2,14 +2,13 @@
 
 import json
 import threading
-import urllib.error
-import urllib.request
 import wsgiref.util
 
 import bottle
 import webtest
 
 import campaignapi
+from helpers import http
 
 
 def test_mounted_under_a_prefix_of_a_parent_bottle_app(app, auth):
@@ -77,14 +76,8 @@ def test_public_url_wins_over_the_request(db, auth):
 
 
 def _call(url, method="GET", body=None, headers=None):
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={
-        **(headers or {}), **({"Content-Type": "application/json"} if data else {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    status, _, answer = http(url, method, body, headers)
+    return status, json.loads(answer)
 
 
 def test_waitress_with_many_threads_on_one_database_file(app, auth, serve):
