@@ -8,6 +8,7 @@ import json
 import re
 import socket
 import sqlite3
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +33,8 @@ def filled(route, value="1"):
     """The route's path under /v1 with every placeholder replaced by ``value``.
 
     :param route: a row of ``campaignapi.ROUTES``
-    :param value: the text put in place of each placeholder
+    :param value: the text put in place of each placeholder, or (as ``re.sub``
+        takes) a function of the placeholder's match that gives it
     """
     return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
 
@@ -90,7 +92,8 @@ def assert_envelope(response, success, status):
     assert set(body) == {"responseId", "version", "success", "data"}
     assert body["version"] == 1
     assert body["success"] is success
-    assert isinstance(body["responseId"], str) and re.fullmatch(r"[0-9a-f]{16,}", body["responseId"])
+    assert isinstance(body["responseId"], str)
+    assert re.fullmatch(r"[0-9a-f]{16,}", body["responseId"])
     assert response.headers["X-Response-Id"] == body["responseId"]
     return body["data"]
 
@@ -141,6 +144,20 @@ def wait_for(condition, timeout=30, what="condition", interval=0.1):
             return
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_threads(target, arguments, timeout=60):
+    """Run ``target(argument)`` for every argument, each in its own thread, all at once.
+
+    :param arguments: one argument per thread
+    :param timeout: seconds to wait for each thread; one still running fails the test
+    """
+    threads = [threading.Thread(target=target, args=(argument,)) for argument in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(thread.is_alive() for thread in threads)
 
 
 # --- the database ----------------------------------------------------------------------------
@@ -253,16 +270,26 @@ def build_world(api, send=True):
                name="list", originalfile="list.csv")
     api.get(f"/datasource/{ds}/export/0")
     api.put(f"/datasource/{ds}/organize/0", item=int(ds), folder="top", sortorder=1)
+    ids = {"datasource": ds, **make_campaign(api, [int(ds)])}
+    if send:
+        ids["batch"] = api.put(f"/campaign/{ids['campaign']}/send/0",
+                               timestamp="2000-01-01 00:00:00")["id"]
+    return ids
+
+
+def make_campaign(api, datasources, **params):
+    """A sendable campaign to every recipient of ``datasources``: a sender
+    profile, a message, a segment, the campaign and its campaign message.
+
+    :param datasources: the segment's datasource ids (ints)
+    :param params: more parameters of the campaign (e.g. ``archiveemail``)
+    :returns: the new records' ids, by kind (profile, message, segment, campaign)
+    """
     profile = api.put("/accountprofile/0", name="Shop", fromname="The Shop",
                       fromaddress="news@shop.example")["id"]
     message = api.put("/message/0", name="Welcome", subject="Hello {{first}}",
                       html=HTML, text=TEXT)["id"]
-    segment = api.put("/segment/0", name="all", datasources=[int(ds)])["id"]
-    campaign = api.put("/campaign/0", name="Launch", accountprofile=int(profile))["id"]
+    segment = api.put("/segment/0", name="all", datasources=datasources)["id"]
+    campaign = api.put("/campaign/0", name="Launch", accountprofile=int(profile), **params)["id"]
     api.put(f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
-    ids = {"datasource": ds, "profile": profile, "message": message, "segment": segment,
-           "campaign": campaign}
-    if send:
-        ids["batch"] = api.put(f"/campaign/{campaign}/send/0",
-                               timestamp="2000-01-01 00:00:00")["id"]
-    return ids
+    return {"profile": profile, "message": message, "segment": segment, "campaign": campaign}

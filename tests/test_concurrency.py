@@ -15,7 +15,7 @@ import webtest
 
 import campaignapi
 from conftest import Api, serving
-from helpers import answers, build_world, free_port, http, wait_for
+from helpers import answers, build_world, free_port, http, in_threads, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS, OPERATIONS = 8, 40
@@ -98,12 +98,7 @@ def test_two_processes_under_mixed_load_lose_nothing(db, tmp_path):
                     else:
                         campaignapi.process_due(db)
 
-            threads = [threading.Thread(target=work, args=(n,)) for n in range(CLIENTS)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(300)
-            assert not any(thread.is_alive() for thread in threads)
+            in_threads(work, range(CLIENTS), timeout=300)
     finally:
         second.terminate()
         second.wait(30)

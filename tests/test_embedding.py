@@ -1,14 +1,13 @@
 """The app inside other applications and WSGI hosts."""
 
 import json
-import threading
 import wsgiref.util
 
 import bottle
 import webtest
 
 import campaignapi
-from helpers import http
+from helpers import http, in_threads
 
 
 def test_mounted_under_a_prefix_of_a_parent_bottle_app(app, auth):
@@ -98,12 +97,7 @@ def test_waitress_with_many_threads_on_one_database_file(app, auth, serve):
             failures.append(repr(error))
 
     with serve(app, threads=4) as url:
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads)
+        in_threads(client, range(workers), timeout=60)
         status, listing = _call(f"{url}/v1/campaign/all?limit=1000", headers=auth)
 
     assert failures == []

@@ -1,4 +1,4 @@
-"""Hardening: schemathesis against the served OpenAPI document (every
+"""Fuzzing: schemathesis against the served OpenAPI document (every
 operation, positive and negative data: no 5xx, every answer as documented)
 and Hypothesis properties of the CSV importer and the merge-tag renderer."""
 
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from schemathesis import checks as st_checks
 
 import campaignapi
+from helpers import send
 
 #: Bounded for CI: examples per operation and generation mode.
 FUZZ_EXAMPLES = int(os.environ.get("CAMPAIGNAPI_FUZZ_EXAMPLES", "12"))
@@ -122,9 +123,7 @@ def importer(tmp_path_factory):
     auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
 
     def call(method, path, status=200, **params):
-        response = client.request("/v1" + path, method=method, headers=auth,
-                                  body=json.dumps(params).encode(),
-                                  content_type="application/json", expect_errors=True)
+        response = send(client, method, "/v1" + path, auth, params)
         assert response.status_int == status, response.text
         return response.json["data"]
 
