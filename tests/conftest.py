@@ -84,7 +84,7 @@ def stranger_api(client, other):
     return Api(client, other)
 
 
-# -- Real servers and a real browser (ecosystem issue; reusable by any test) --
+# -- Real servers and a real browser (reusable by any test) --
 
 
 

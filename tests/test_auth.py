@@ -103,7 +103,7 @@ def test_insufficient_access_names_the_level(client, make_key):
 
 
 # The spec's tables, as the contract reads them (section 3: Change and Delete
-# campaign message need write).  Routes other issues add are checked when present.
+# campaign message need write).  A spec route not in the table yet is checked once it is.
 SPEC_LEVELS = {
     ("GET", "/datasource/{id}"): "read", ("POST", "/datasource/{id}"): "write",
     ("PUT", "/datasource/{id}"): "create", ("DELETE", "/datasource/{id}"): "delete",
