@@ -13,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 
+import webtest
+
 import campaignapi
 
 # --- the route table -------------------------------------------------------------------------
@@ -37,6 +39,19 @@ def filled(route, value="1"):
         takes) a function of the placeholder's match that gives it
     """
     return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
+
+
+# --- an app of one's own ---------------------------------------------------------------------
+
+def keyed_client(db, **config):
+    """A WebTest client of a new app on ``db`` (for fixtures wider than one
+    test) and the Authorization headers of a full-access key of owner@example.com.
+
+    :param db: the database file
+    :param config: settings for ``campaignapi.create_app``
+    """
+    client = webtest.TestApp(campaignapi.create_app(db, **config))
+    return client, {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
 
 
 # --- requests --------------------------------------------------------------------------------

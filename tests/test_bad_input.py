@@ -7,10 +7,10 @@ import re
 import socket
 
 import pytest
-import webtest
 
 import campaignapi
-from helpers import KEYED_ROUTES, assert_error, filled, make_datasource, recipients, route_id, send
+from helpers import (KEYED_ROUTES, assert_error, filled, keyed_client, make_datasource, recipients,
+                     route_id, send)
 from conftest import serving
 
 MAX_ID = campaignapi.MAX_ID
@@ -46,9 +46,7 @@ def shared(tmp_path_factory):
     """One app and one full key for the read-only matrices (a fresh app per
     case would make the matrix slow)."""
     db = str(tmp_path_factory.mktemp("input") / "campaignapi.db")
-    app = campaignapi.create_app(db)
-    secret = campaignapi.create_key(db, "owner@example.com")
-    client, auth = webtest.TestApp(app), {"Authorization": f"Bearer {secret}"}
+    client, auth = keyed_client(db)
     # Records 1 exist, so that a handler's own checks are reached too.
     send(client, "PUT", "/v1/datasource/1", auth, body={"name": "d"})
     send(client, "PUT", "/v1/campaign/1", auth, body={"name": "c", "accountprofile": 1})
@@ -116,8 +114,7 @@ def test_deeply_nested_json_is_400_not_a_crash(shared, route):
 @pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
 def test_a_body_just_over_max_body_is_413(tmp_path, route):
     db = str(tmp_path / "small.db")
-    client = webtest.TestApp(campaignapi.create_app(db, max_body=1000))
-    auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
+    client, auth = keyed_client(db, max_body=1000)
     body = b'{"name": "' + b"x" * 988 + b'"}'
     assert len(body) == 1000
     assert send(client, route.method, filled(route), auth, body=body).status_int != 413

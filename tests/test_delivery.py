@@ -27,6 +27,15 @@ def execute(db, sql, args=()):
         conn.execute(sql, args)
 
 
+def notify(db, *emails):
+    """Queue notification emails of owner@example.com's account: (to, subject, body) each."""
+    campaignapi.init_db(db)
+    with database(db) as conn, campaignapi.transaction(conn):
+        account = campaignapi._account_for(conn, "owner@example.com")
+        for to, subject, body in emails:
+            campaignapi.enqueue_email(conn, account, to, subject, body)
+
+
 def later(seconds):
     moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
     return moment.strftime("%Y-%m-%d %H:%M:%S")
@@ -179,13 +188,7 @@ def test_the_claim_of_a_dead_worker_is_taken_back(db, smtp_sink, seed_campaign):
 
 
 def test_notifications_come_from_the_system_sender_as_plain_text(db, smtp_sink):
-    campaignapi.init_db(db)
-    conn = campaignapi.connect(db)
-    with campaignapi.transaction(conn):
-        account = campaignapi._account_for(conn, "owner@example.com")
-        campaignapi.enqueue_email(conn, account, "owner@example.com", "Import finished: {{x}}",
-                                  "3 rows <imported>.\nDone.")
-    conn.close()
+    notify(db, ("owner@example.com", "Import finished: {{x}}", "3 rows <imported>.\nDone."))
     counts = campaignapi.deliver(db, smtp_sink.address, mail_from="robot@service.example")
     assert counts["sent"] == 1
     assert smtp_sink.messages[0][0] == "robot@service.example"
@@ -322,13 +325,7 @@ def test_dkim_signature_verifies_against_the_public_key(db, smtp_sink, seed_camp
 
 
 def test_worker_command_delivers_notifications_and_stops_on_sigterm(db, smtp_sink):
-    campaignapi.init_db(db)
-    conn = campaignapi.connect(db)
-    with campaignapi.transaction(conn):
-        account = campaignapi._account_for(conn, "owner@example.com")
-        for i in range(3):
-            campaignapi.enqueue_email(conn, account, f"n{i}@example.org", f"Note {i}", "Body")
-    conn.close()
+    notify(db, *[(f"n{i}@example.org", f"Note {i}", "Body") for i in range(3)])
     script = os.path.join(os.path.dirname(campaignapi.__file__), "campaignapi.py")
     process = subprocess.Popen([sys.executable, script, "worker", "--db", db, "--smtp",
                                 smtp_sink.address, "--mail-from", "robot@service.example"],
