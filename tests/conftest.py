@@ -8,6 +8,7 @@ import pytest
 import webtest
 
 import campaignapi
+from helpers import send
 
 
 @pytest.fixture
@@ -55,11 +56,8 @@ class Api:
         self.client, self.headers = client, headers
 
     def call(self, method, path, params=None, status=200, headers=None):
-        response = self.client.request(
-            "/v1" + path, method=method, headers={**self.headers, **(headers or {})},
-            body=campaignapi.json.dumps(params).encode() if params is not None else b"",
-            content_type="application/json" if params is not None else None,
-            expect_errors=True)
+        response = send(self.client, method, "/v1" + path, {**self.headers, **(headers or {})},
+                        params)
         assert response.status_int == status, (response.status, response.text)
         return response.json["data"]
 
@@ -86,7 +84,7 @@ def stranger_api(client, other):
     return Api(client, other)
 
 
-# -- Real servers and a real browser (ecosystem issue; reusable by any test) --
+# -- Real servers and a real browser (reusable by any test) --
 
 
 

@@ -8,16 +8,11 @@ of that address with each reply in turn (then accepts it);
 
 import email
 import email.policy
-import socket
 import threading
 
 from aiosmtpd.controller import Controller
 
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from helpers import free_port
 
 
 class SmtpSink:

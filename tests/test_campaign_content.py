@@ -6,7 +6,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from test_segments import add_recipients
+from helpers import add_recipients
 
 GOOD_MESSAGE = {"name": "Welcome", "subject": "Hello {{firstname}}",
                 "html": '<p>Hi {{firstname}}</p><a href="{{unsubscribe_url}}">stop</a>',

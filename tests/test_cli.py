@@ -9,13 +9,12 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 
 import pytest
 import webtest
 
 import campaignapi
-from smtp_sink import free_port
+from helpers import free_port, http
 
 SCRIPT = os.path.abspath(campaignapi.__file__)
 SECRET_LINE = re.compile(r"^cak_[A-Za-z0-9_-]+$")
@@ -144,13 +143,9 @@ class Server:
             self.lines.append(line.rstrip("\n"))
 
     def request(self, path, headers=None):
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                         headers=headers or {})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, dict(response.headers), json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return error.code, dict(error.headers), json.loads(error.read())
+        status, answer_headers, body = http(f"http://127.0.0.1:{self.port}{path}",
+                                            headers=headers, timeout=10)
+        return status, dict(answer_headers), json.loads(body)
 
     def wait_ready(self, timeout=30):
         deadline = time.monotonic() + timeout

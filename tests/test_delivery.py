@@ -1,8 +1,10 @@
-"""Delivery over SMTP to a real aiosmtpd server on loopback."""
+"""Delivery over SMTP to a real aiosmtpd server on loopback, also to one that
+offers PIPELINING."""
 
 import base64
 import datetime
 import os
+import smtplib
 import subprocess
 import sys
 import threading
@@ -11,24 +13,27 @@ import time
 import pytest
 
 import campaignapi
-from smtp_sink import SmtpSink, free_port
+from helpers import database, free_port, in_threads
+from smtp_sink import PipeliningSink, SmtpSink
 
 
 def rows(db, sql="SELECT * FROM outbox ORDER BY id", args=()):
-    conn = campaignapi.connect(db)
-    try:
+    with database(db) as conn:
         return [dict(row) for row in conn.execute(sql, args)]
-    finally:
-        conn.close()
 
 
 def execute(db, sql, args=()):
-    conn = campaignapi.connect(db)
-    try:
-        with campaignapi.transaction(conn):
-            conn.execute(sql, args)
-    finally:
-        conn.close()
+    with database(db) as conn, campaignapi.transaction(conn):
+        conn.execute(sql, args)
+
+
+def notify(db, *emails):
+    """Queue notification emails of owner@example.com's account: (to, subject, body) each."""
+    campaignapi.init_db(db)
+    with database(db) as conn, campaignapi.transaction(conn):
+        account = campaignapi._account_for(conn, "owner@example.com")
+        for to, subject, body in emails:
+            campaignapi.enqueue_email(conn, account, to, subject, body)
 
 
 def later(seconds):
@@ -161,11 +166,7 @@ def test_two_workers_in_parallel_never_send_a_row_twice(db, smtp_sink, seed_camp
         results.append(campaignapi.deliver(db, smtp_sink.address, connections=2, batch_size=7,
                                            worker_id=name))
 
-    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(worker, ["w0", "w1"])
     received = [rcpts[0] for _, rcpts, _ in smtp_sink.messages]
     assert len(received) == 240 and len(set(received)) == 240
     assert sum(r["sent"] for r in results) == 240
@@ -187,13 +188,7 @@ def test_the_claim_of_a_dead_worker_is_taken_back(db, smtp_sink, seed_campaign):
 
 
 def test_notifications_come_from_the_system_sender_as_plain_text(db, smtp_sink):
-    campaignapi.init_db(db)
-    conn = campaignapi.connect(db)
-    with campaignapi.transaction(conn):
-        account = campaignapi._account_for(conn, "owner@example.com")
-        campaignapi.enqueue_email(conn, account, "owner@example.com", "Import finished: {{x}}",
-                                  "3 rows <imported>.\nDone.")
-    conn.close()
+    notify(db, ("owner@example.com", "Import finished: {{x}}", "3 rows <imported>.\nDone."))
     counts = campaignapi.deliver(db, smtp_sink.address, mail_from="robot@service.example")
     assert counts["sent"] == 1
     assert smtp_sink.messages[0][0] == "robot@service.example"
@@ -330,13 +325,7 @@ def test_dkim_signature_verifies_against_the_public_key(db, smtp_sink, seed_camp
 
 
 def test_worker_command_delivers_notifications_and_stops_on_sigterm(db, smtp_sink):
-    campaignapi.init_db(db)
-    conn = campaignapi.connect(db)
-    with campaignapi.transaction(conn):
-        account = campaignapi._account_for(conn, "owner@example.com")
-        for i in range(3):
-            campaignapi.enqueue_email(conn, account, f"n{i}@example.org", f"Note {i}", "Body")
-    conn.close()
+    notify(db, *[(f"n{i}@example.org", f"Note {i}", "Body") for i in range(3)])
     script = os.path.join(os.path.dirname(campaignapi.__file__), "campaignapi.py")
     process = subprocess.Popen([sys.executable, script, "worker", "--db", db, "--smtp",
                                 smtp_sink.address, "--mail-from", "robot@service.example"],
@@ -397,3 +386,46 @@ def test_long_deliveries_log_progress_per_interval(db, smtp_sink, seed_campaign,
     assert len(lines) == 3
     assert lines[0].startswith("delivery progress: 10 sent, 0 failed")
     assert lines[-1].endswith("30 sent and 0 failed in all; 0 still queued")
+
+
+# --- a relay that offers PIPELINING -----------------------------------------------------------
+# MAIL, RCPT and DATA go in one write, and every kind of refusal is still read and recorded right.
+
+@pytest.fixture
+def pipelining_sink():
+    sink = PipeliningSink().start()
+    yield sink
+    sink.stop()
+
+
+def test_the_commands_of_an_email_go_in_one_write(pipelining_sink):
+    writes = []
+    smtp = smtplib.SMTP(*campaignapi.smtp_address(pipelining_sink.address))
+    smtp.ehlo()
+    send = smtp.send
+    smtp.send = lambda data: (writes.append(data), send(data))
+    assert campaignapi._transact(smtp, "a@example.com", "b@example.com",
+                                 b"Subject: x\r\n\r\nhi\r\n") is None
+    assert writes == ["MAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.com>\r\nDATA\r\n",
+                      b"Subject: x\r\n\r\nhi\r\n.\r\n"]
+    smtp.quit()
+    assert pipelining_sink.count() == 1
+
+
+def test_refusals_retries_bounces_and_421_over_a_pipelining_relay(db, pipelining_sink,
+                                                                  seed_campaign):
+    sink = pipelining_sink
+    seed_campaign([("busy@example.org", "B"), ("gone@example.org", "G"),
+                   ("spam@example.org", "S"), ("closing@example.org", "C"),
+                   ("ok@example.org", "O")])
+    sink.replies["busy@example.org"] = ["451 4.3.0 try later"]
+    sink.always["gone@example.org"] = "550 5.1.1 no such user"
+    sink.after_data["spam@example.org"] = "554 5.7.1 looks like spam"
+    sink.replies["closing@example.org"] = ["421 4.3.2 shutting down"]
+    counts = campaignapi.deliver(db, sink.address)
+    assert (counts["sent"], counts["retried"], counts["failed"], counts["bounced"]) == (1, 2, 2, 1)
+    assert [(r["to_addr"], r["status"], (r["error"] or "")[:3]) for r in rows(db)] == [
+        ("busy@example.org", "queued", "451"), ("gone@example.org", "failed", "550"),
+        ("spam@example.org", "failed", "554"), ("closing@example.org", "queued", "421"),
+        ("ok@example.org", "sent", "")]
+    assert list(sink.parsed()) == ["ok@example.org"]

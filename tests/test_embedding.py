@@ -1,15 +1,13 @@
 """The app inside other applications and WSGI hosts."""
 
 import json
-import threading
-import urllib.error
-import urllib.request
 import wsgiref.util
 
 import bottle
 import webtest
 
 import campaignapi
+from helpers import http, in_threads
 
 
 def test_mounted_under_a_prefix_of_a_parent_bottle_app(app, auth):
@@ -77,14 +75,8 @@ def test_public_url_wins_over_the_request(db, auth):
 
 
 def _call(url, method="GET", body=None, headers=None):
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={
-        **(headers or {}), **({"Content-Type": "application/json"} if data else {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    status, _, answer = http(url, method, body, headers)
+    return status, json.loads(answer)
 
 
 def test_waitress_with_many_threads_on_one_database_file(app, auth, serve):
@@ -105,12 +97,7 @@ def test_waitress_with_many_threads_on_one_database_file(app, auth, serve):
             failures.append(repr(error))
 
     with serve(app, threads=4) as url:
-        threads = [threading.Thread(target=client, args=(n,)) for n in range(workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert not any(thread.is_alive() for thread in threads)
+        in_threads(client, range(workers), timeout=60)
         status, listing = _call(f"{url}/v1/campaign/all?limit=1000", headers=auth)
 
     assert failures == []

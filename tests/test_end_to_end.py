@@ -1,4 +1,4 @@
-"""The sending issue's end to end: over real HTTP against `python campaignapi.py
+"""Sending end to end: over real HTTP against `python campaignapi.py
 serve --smtp ...`, build a campaign, send it now, every recipient gets exactly
 one correct email at a real SMTP server; one click unsubscribes and the next
 send skips that address.  And the unsubscribe page clicked in a real browser."""
@@ -9,14 +9,11 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
 import pytest
 
 import campaignapi
-from smtp_sink import free_port
+from helpers import answers, free_port, http, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,31 +22,6 @@ CSV = ("email,first name,city\n"
        "bob@example.com,Bob,Porto\n"
        "Ann@EXAMPLE.com,Ann again,Oslo\n"
        "cid@example.com,Cid,Nantes\n")
-
-
-def request(base, method, path, secret=None, params=None, body=None, content_type=None):
-    headers = {}
-    if secret:
-        headers["Authorization"] = f"Bearer {secret}"
-    if params is not None:
-        body, content_type = json.dumps(params).encode(), "application/json"
-    if content_type:
-        headers["Content-Type"] = content_type
-    req = urllib.request.Request(base + path, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
-
-def wait_for(condition, timeout=30, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -70,25 +42,19 @@ def server(tmp_path, smtp_sink):
             if "serving" in line:
                 break
         assert secret, "serve printed no secret on a new database"
-        wait_for(lambda: _answers(base), what="the server to answer")
+        wait_for(lambda: answers(base), what="the server to answer")
         yield base, secret
     finally:
         process.terminate()
         process.wait(timeout=30)
 
 
-def _answers(base):
-    try:
-        return request(base, "GET", "/v1/openapi.json")[0] == 200
-    except OSError:
-        return False
-
-
 def test_send_over_http_every_recipient_once_then_one_click_unsubscribe(server, smtp_sink):
     base, secret = server
 
     def api(method, path, **params):
-        status, body = request(base, method, "/v1" + path, secret, params)
+        status, _, body = http(base + "/v1" + path, method, params,
+                               {"Authorization": f"Bearer {secret}"})
         envelope = json.loads(body)
         assert status == 200 and envelope["success"], (method, path, status, envelope)
         return envelope["data"]
@@ -136,8 +102,8 @@ def test_send_over_http_every_recipient_once_then_one_click_unsubscribe(server, 
     assert "owner@example.com" in received
 
     # One click (RFC 8058) from Ann's List-Unsubscribe header, no key.
-    status, _ = request(link, "POST", "", body=b"List-Unsubscribe=One-Click",
-                        content_type="application/x-www-form-urlencoded")
+    status, _, _ = http(link, "POST", b"List-Unsubscribe=One-Click",
+                        {"Content-Type": "application/x-www-form-urlencoded"})
     assert status == 200
     recipients = api("GET", f"/datasource/{ds}/recipient/all")["recipient"]
     assert {r["email"]: r["status"] for r in recipients}["Ann@example.com"] == "unsubscribed"

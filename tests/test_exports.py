@@ -8,7 +8,7 @@ import pytest
 import webtest
 
 import campaignapi
-from datahelpers import database, import_csv, make_datasource
+from helpers import database, import_csv, make_datasource
 
 
 @pytest.fixture

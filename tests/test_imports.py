@@ -5,7 +5,7 @@ import time
 import pytest
 
 import campaignapi
-from datahelpers import count, database, get_import, import_csv, make_datasource, recipients
+from helpers import database, get_import, import_csv, make_datasource, recipients, scalar
 
 
 @pytest.fixture
@@ -159,9 +159,9 @@ def test_unreadable_data_is_422_and_writes_nothing(api, ds, db, uploadtype, data
     error = api.put(f"/datasource/{ds}/import/0", status=422, name="x", originalfile="",
                     __uploadtype__=uploadtype, __uploaddata__=data)
     assert error["error"] == "invalid_data" and words in error["message"]
-    assert count(db, "SELECT count(*) FROM import") == 0
-    assert count(db, "SELECT count(*) FROM field WHERE datasource = ?", ds) == 3
-    assert count(db, "SELECT count(*) FROM outbox") == 0
+    assert scalar(db, "SELECT count(*) FROM import") == 0
+    assert scalar(db, "SELECT count(*) FROM field WHERE datasource = ?", ds) == 3
+    assert scalar(db, "SELECT count(*) FROM outbox") == 0
 
 
 def test_failure_late_in_the_file_rolls_back_every_chunk(api, ds, db, monkeypatch):
@@ -174,10 +174,10 @@ def test_failure_late_in_the_file_rolls_back_every_chunk(api, ds, db, monkeypatc
     raw += b"\x00\xd8"  # a lone surrogate at the very end: undecodable
     error = import_csv(api, ds, raw, uploadtype="base64", status=422)
     assert error["error"] == "invalid_data"
-    assert count(db, "SELECT count(*) FROM recipient") == 0
-    assert count(db, "SELECT count(*) FROM field WHERE datasource = ?", ds) == 4
+    assert scalar(db, "SELECT count(*) FROM recipient") == 0
+    assert scalar(db, "SELECT count(*) FROM field WHERE datasource = ?", ds) == 4
     assert field["name"] == "renamed"
-    assert count(db, "SELECT count(*) FROM import") == 0
+    assert scalar(db, "SELECT count(*) FROM import") == 0
 
 
 def test_wrong_upload_type_for_data_is_400(api, ds):

@@ -8,6 +8,7 @@ import webtest
 from openapi_spec_validator import validate
 
 import campaignapi
+from helpers import send
 
 METHODS = ("get", "put", "post", "delete")
 
@@ -126,10 +127,7 @@ def test_real_answers_match_the_documented_schemas(client, auth, document):
     checker = Checker(document)
 
     def call(method, url, path, params=None, headers=auth, status=200):
-        body = campaignapi.json.dumps(params).encode() if params is not None else b""
-        response = client.request(url, method=method, headers=headers, body=body,
-                                  content_type="application/json" if body else None,
-                                  expect_errors=True)
+        response = send(client, method, url, headers, params)
         assert response.status_int == status, response.text
         checker.check(method, path, response)
         return response.json["data"]

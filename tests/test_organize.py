@@ -2,7 +2,7 @@
 
 import pytest
 
-from datahelpers import make_datasource
+from helpers import make_datasource
 
 
 @pytest.fixture

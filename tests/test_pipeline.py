@@ -4,7 +4,6 @@ code that the pipeline itself produces, on a real SQLite file."""
 import io
 import json
 import logging
-import re
 import sqlite3
 import sys
 
@@ -12,44 +11,16 @@ import pytest
 import webtest
 
 import campaignapi
+from helpers import assert_envelope, assert_error, send
 
 MAX_ID = 2**63 - 1
-
-
-def assert_envelope(response, success, status):
-    assert response.status_int == status, response.text
-    assert response.content_type == "application/json"
-    body = response.json
-    assert set(body) == {"responseId", "version", "success", "data"}
-    assert body["version"] == 1
-    assert body["success"] is success
-    assert isinstance(body["responseId"], str) and re.fullmatch(r"[0-9a-f]{16,}", body["responseId"])
-    assert response.headers["X-Response-Id"] == body["responseId"]
-    return body["data"]
-
-
-def assert_error(response, status, code):
-    data = assert_envelope(response, False, status)
-    assert data["error"] == code, data
-    assert isinstance(data["message"], str) and data["message"]
-    return data
-
-
-def request(client, method, path, headers=None, body=None, content_type="application/json",
-            query=""):
-    """A raw request: ``body`` bytes, a dict (sent as JSON) or None."""
-    if isinstance(body, dict):
-        body = json.dumps(body).encode()
-    return client.request("/v1" + path + (f"?{query}" if query else ""), method=method,
-                          headers=headers or {}, body=body or b"",
-                          content_type=content_type if body else None, expect_errors=True)
 
 
 # --- the envelope --------------------------------------------------------------------------
 
 def test_success_envelope_and_unique_response_ids(client, auth):
-    first = request(client, "GET", "/campaign/all", auth)
-    second = request(client, "GET", "/campaign/all", auth)
+    first = send(client, "GET", "/v1/campaign/all", auth)
+    second = send(client, "GET", "/v1/campaign/all", auth)
     assert assert_envelope(first, True, 200) == {"emt_campaign": [], "total": "0",
                                                  "limit": "100", "offset": "0"}
     assert_envelope(second, True, 200)
@@ -57,7 +28,7 @@ def test_success_envelope_and_unique_response_ids(client, auth):
 
 
 def test_error_envelope_from_a_handler(client, auth):
-    assert_error(request(client, "GET", "/campaign/7", auth), 404, "not_found")
+    assert_error(send(client, "GET", "/v1/campaign/7", auth), 404, "not_found")
 
 
 @pytest.mark.parametrize("path", ["/nowhere", "/v1/nothing/1", "/v1/campaign/1/2/3", "/"])
@@ -68,7 +39,7 @@ def test_bottle_404_is_an_envelope(client, path):
 
 
 def test_bottle_405_is_an_envelope_with_allow(client, auth):
-    response = request(client, "PATCH", "/campaign/1", auth)
+    response = send(client, "PATCH", "/v1/campaign/1", auth)
     assert_error(response, 405, "method_not_allowed")
     allowed = {m.strip() for m in response.headers["Allow"].split(",")}
     assert {"GET", "PUT", "POST", "DELETE"} <= allowed
@@ -102,7 +73,7 @@ def test_non_browsers_get_json(client, auth, accept):
 
 def test_response_id_is_in_the_log_line(client, auth, caplog):
     with caplog.at_level(logging.INFO, logger="campaignapi"):
-        response = request(client, "GET", "/campaign/3", auth)
+        response = send(client, "GET", "/v1/campaign/3", auth)
     assert any(response.json["responseId"] in record.getMessage() for record in caplog.records)
 
 
@@ -119,7 +90,7 @@ def test_internal_error_hides_the_traceback(monkeypatch, db, make_key, caplog):
     _raising_route(monkeypatch, broken)
     client = webtest.TestApp(campaignapi.create_app(db))
     with caplog.at_level(logging.INFO, logger="campaignapi"):
-        response = request(client, "PUT", "/test/1", make_key(["read"]))
+        response = send(client, "PUT", "/v1/test/1", make_key(["read"]))
     data = assert_error(response, 500, "internal_error")
     assert "SELECT" not in response.text and "Traceback" not in response.text
     assert response.json["responseId"] in data["message"]
@@ -137,7 +108,7 @@ def test_a_failed_write_changes_nothing(monkeypatch, db, make_key):
 
     _raising_route(monkeypatch, half)
     client = webtest.TestApp(campaignapi.create_app(db))
-    assert_error(request(client, "PUT", "/test/5", make_key(["read"])), 400, "invalid_parameter")
+    assert_error(send(client, "PUT", "/v1/test/5", make_key(["read"])), 400, "invalid_parameter")
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT count(*) FROM campaign").fetchone()[0] == 0
     conn.close()
@@ -149,7 +120,7 @@ def test_a_failed_write_changes_nothing(monkeypatch, db, make_key):
                                   b'{"name": "\xff\xfe"}', b"\xef\xbb\xbf\xc3", b"[" * 100000,
                                   b'{"name": "\\ud800", "accountprofile": 1}', b'{"\\udfff": 1}'])
 def test_invalid_json(client, auth, body):
-    response = request(client, "PUT", "/campaign/0", auth, body)
+    response = send(client, "PUT", "/v1/campaign/0", auth, body)
     assert_error(response, 400, "invalid_json")
 
 
@@ -159,16 +130,16 @@ def test_valid_surrogate_pairs_are_fine(api):
 
 
 def test_json_with_charset_is_accepted(client, auth):
-    response = request(client, "PUT", "/campaign/0", auth, {"name": "x", "accountprofile": 1},
-                       content_type="application/json; charset=utf-8")
+    response = send(client, "PUT", "/v1/campaign/0", auth, {"name": "x", "accountprofile": 1},
+                    content_type="application/json; charset=utf-8")
     assert assert_envelope(response, True, 200) == {"id": "1"}
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x"])
 def test_non_json_content_type_with_a_body_is_415(client, auth, content_type):
-    response = request(client, "PUT", "/campaign/0", auth, b'{"name": "x", "accountprofile": 1}',
-                       content_type=content_type)
+    response = send(client, "PUT", "/v1/campaign/0", auth, b'{"name": "x", "accountprofile": 1}',
+                    content_type=content_type)
     assert_error(response, 415, "unsupported_media_type")
 
 
@@ -223,7 +194,7 @@ def test_chunked_body_over_max_body_is_413(db, make_key):
 def test_body_at_max_body_is_read(db, make_key):
     body = json.dumps({"name": "n" * 40, "accountprofile": 1}).encode()
     client = webtest.TestApp(campaignapi.create_app(db, max_body=len(body)))
-    response = request(client, "PUT", "/campaign/0", make_key(), body)
+    response = send(client, "PUT", "/v1/campaign/0", make_key(), body)
     assert assert_envelope(response, True, 200) == {"id": "1"}
 
 
@@ -313,28 +284,28 @@ def test_flag_spellings(api, flag, stored):
 
 
 def test_params_from_the_query_string(client, auth):
-    response = request(client, "PUT", "/campaign/0", auth,
-                       query="name=From%20query&accountprofile=3&enabled=0")
+    response = send(client, "PUT", "/v1/campaign/0?name=From%20query&accountprofile=3&enabled=0",
+                    auth)
     assert assert_envelope(response, True, 200) == {"id": "1"}
-    record = request(client, "GET", "/campaign/1", auth).json["data"]["emt_campaign"][0]
+    record = send(client, "GET", "/v1/campaign/1", auth).json["data"]["emt_campaign"][0]
     assert (record["name"], record["accountprofile"], record["enabled"]) == ("From query", "3", "0")
 
 
 def test_body_wins_over_query(client, auth):
-    response = request(client, "PUT", "/campaign/0", auth, {"name": "from body"},
-                       query="name=from+query&accountprofile=2")
+    response = send(client, "PUT", "/v1/campaign/0?name=from+query&accountprofile=2", auth,
+                    {"name": "from body"})
     assert_envelope(response, True, 200)
-    record = request(client, "GET", "/campaign/1", auth).json["data"]["emt_campaign"][0]
+    record = send(client, "GET", "/v1/campaign/1", auth).json["data"]["emt_campaign"][0]
     assert (record["name"], record["accountprofile"]) == ("from body", "2")
 
 
 def test_query_parameter_given_twice_is_refused(client, auth):
-    response = request(client, "GET", "/campaign/all", auth, query="limit=1&limit=2")
+    response = send(client, "GET", "/v1/campaign/all?limit=1&limit=2", auth)
     assert assert_error(response, 400, "invalid_parameter")["field"] == "limit"
 
 
 def test_query_string_that_is_not_utf8(client, auth):
-    response = request(client, "GET", "/campaign/all", auth, query="limit=%FF")
+    response = send(client, "GET", "/v1/campaign/all?limit=%FF", auth)
     assert_error(response, 400, "invalid_parameter")
 
 
@@ -348,7 +319,7 @@ def test_get_with_a_json_body(api):
 
 def test_delete_with_params_in_the_query(client, auth, api):
     api.put("/datasource/0", name="d")
-    response = request(client, "DELETE", "/datasource/1", auth, query="id=1")
+    response = send(client, "DELETE", "/v1/datasource/1?id=1", auth)
     assert assert_envelope(response, True, 200) is True
 
 
@@ -371,7 +342,7 @@ def test_empty_body_and_whitespace_body_are_no_params(client, auth):
     ("POST", "/datasource/import"), ("DELETE", "/datasource/all"), ("POST", "/datasource/-5"),
 ])
 def test_invalid_identifier(client, auth, method, path):
-    data = assert_error(request(client, method, path, auth), 400, "invalid_identifier")
+    data = assert_error(send(client, method, "/v1" + path, auth), 400, "invalid_identifier")
     assert data["field"] == "id"
 
 

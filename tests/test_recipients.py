@@ -4,7 +4,7 @@ datasource sub-resource route."""
 import pytest
 
 import campaignapi
-from datahelpers import count, database, import_csv, make_datasource, recipients
+from helpers import database, import_csv, make_datasource, recipients, scalar
 
 
 @pytest.fixture
@@ -185,4 +185,4 @@ def test_foreign_account_gets_404(api, stranger_api, db, method, path, params):
         after = [conn.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall()
                  for table in ("recipient", "field", "import", "export", "organize", "outbox")]
     assert [[tuple(r) for r in t] for t in after] == [[tuple(r) for r in t] for t in before]
-    assert count(db, "SELECT count(*) FROM recipient WHERE email LIKE 'intruder%'") == 0
+    assert scalar(db, "SELECT count(*) FROM recipient WHERE email LIKE 'intruder%'") == 0

@@ -1,29 +1,14 @@
 """Segments: datasources plus typed conditions, counted in SQL."""
 
-import json
 import sqlite3
 
 import pytest
 
+from helpers import add_recipients
+
 FIELDS = [{"name": "city", "type": "text"}, {"name": "age", "type": "integer"},
           {"name": "score", "type": "number"}, {"name": "member", "type": "boolean"},
           {"name": "joined", "type": "date"}]
-
-
-def add_recipients(db, datasource, rows, status="active"):
-    """Insert recipients straight into the database (imports are another
-    part's work): ``rows`` are ``(email, {field name: stored value})``."""
-    conn = sqlite3.connect(db)
-    try:
-        ids = {name.lower(): str(field_id) for field_id, name in conn.execute(
-            "SELECT id, name FROM field WHERE datasource = ?", (datasource,))}
-        with conn:
-            conn.executemany(
-                "INSERT INTO recipient (datasource, email, data, status) VALUES (?, ?, ?, ?)",
-                [(datasource, email, json.dumps({ids[k.lower()]: v for k, v in values.items()}),
-                  status) for email, values in rows])
-    finally:
-        conn.close()
 
 
 @pytest.fixture

@@ -5,14 +5,7 @@ import sqlite3
 import pytest
 
 import campaignapi
-
-HTML = "<p>Hi {{first}}</p><p><a href='{{unsubscribe_url}}'>unsubscribe</a></p>"
-TEXT = "Hi {{first}}\nUnsubscribe: {{unsubscribe_url}}"
-
-
-def import_csv(api, datasource, csv_text):
-    return api.put(f"/datasource/{datasource}/import/0", name="list", originalfile="list.csv",
-                   __uploadtype__="csv", __uploaddata__=csv_text)["id"]
+from helpers import HTML, TEXT, import_csv, make_campaign
 
 
 @pytest.fixture
@@ -22,24 +15,14 @@ def build(api):
     def make(csv_text="email,first\nann@example.com,Ann\nbob@example.com,Bob\n",
              archiveemail=None, extra_datasource_csv=None):
         ds = api.put("/datasource/0", name="customers")["id"]
-        import_csv(api, ds, csv_text)
+        import_csv(api, ds, csv_text, name="list", originalfile="list.csv")
         datasources = [int(ds)]
         if extra_datasource_csv:
             ds2 = api.put("/datasource/0", name="more")["id"]
-            import_csv(api, ds2, extra_datasource_csv)
+            import_csv(api, ds2, extra_datasource_csv, name="list", originalfile="list.csv")
             datasources.append(int(ds2))
-        profile = api.put("/accountprofile/0", name="Shop", fromname="The Shop",
-                          fromaddress="news@shop.example")["id"]
-        message = api.put("/message/0", name="Welcome", subject="Hello {{first}}",
-                          html=HTML, text=TEXT)["id"]
-        segment = api.put("/segment/0", name="all", datasources=datasources)["id"]
-        params = {"name": "Launch", "accountprofile": int(profile)}
-        if archiveemail:
-            params["archiveemail"] = archiveemail
-        campaign = api.put("/campaign/0", **params)["id"]
-        api.put(f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
-        return {"datasources": datasources, "profile": profile, "message": message,
-                "segment": segment, "campaign": campaign}
+        params = {"archiveemail": archiveemail} if archiveemail else {}
+        return {"datasources": datasources, **make_campaign(api, datasources, **params)}
 
     return make
 

@@ -5,14 +5,12 @@ import urllib.parse
 import pytest
 
 import campaignapi
+from helpers import database
 
 
 def query(db, sql, args=()):
-    conn = campaignapi.connect(db)
-    try:
+    with database(db) as conn:
         return [tuple(row) for row in conn.execute(sql, args)]
-    finally:
-        conn.close()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Hardening: processes killed with SIGKILL at the worst moment lose nothing
+"""Crash recovery: processes killed with SIGKILL at the worst moment lose nothing
 and repeat nothing -- a worker killed while queueing a big batch, an import
 killed mid-way, a delivery killed mid-chunk."""
 
@@ -16,7 +16,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from hardeninghelpers import build_world, bulk_recipients
+from helpers import build_world, bulk_recipients, scalar
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -43,14 +43,6 @@ def kill_when(process, ready, timeout=60):
         time.sleep(0.002)
     process.kill()
     raise AssertionError("the child never reached the point to kill it at")
-
-
-def scalar(db, sql, *args):
-    conn = campaignapi.connect(db)
-    try:
-        return conn.execute(sql, args).fetchone()[0]
-    finally:
-        conn.close()
 
 
 def wal_size(db):

@@ -1,8 +1,8 @@
-"""Hardening: every route x every kind of bad credential gets the contract's
-answer; another account's records are 404 everywhere and stay untouched;
-secrets are never stored or logged in clear; download tokens are
-unguessable, expire and refuse forgeries; no error body shows SQL or a
-traceback."""
+"""Security: every route x every kind of bad credential and every missing
+access level gets the contract's answer; another account's records are 404
+everywhere and stay untouched; secrets are never stored or logged in clear;
+download tokens are unguessable, expire and refuse forgeries; no error body
+shows SQL or a traceback."""
 
 import datetime
 import logging
@@ -17,32 +17,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from hardeninghelpers import build_world, snapshot
-
-ROUTES = [route for route in campaignapi.ROUTES if route.level]
-
-
-def route_id(route):
-    return f"{route.method} {route.path}"
-
-
-def filled(route, value="1"):
-    return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
-
-
-def call(client, route, headers, params=None, path=None):
-    return client.request(
-        path or filled(route), method=route.method, headers=headers,
-        body=campaignapi.json.dumps(params).encode() if params is not None else b"",
-        content_type="application/json" if params is not None else None, expect_errors=True)
-
-
-def assert_clean_error(response, status, code):
-    assert response.status_int == status, response.text
-    assert response.json["success"] is False
-    assert response.json["data"]["error"] == code
-    assert_no_leak(response.text)
-
+from helpers import KEYED_ROUTES, assert_error, build_world, filled, route_id, send, snapshot
 
 LEAKS = ("SELECT", "INSERT", "UPDATE ", "sqlite", "Traceback", 'File "', "campaignapi.py",
          "Error:", "cak_")
@@ -51,6 +26,11 @@ LEAKS = ("SELECT", "INSERT", "UPDATE ", "sqlite", "Traceback", 'File "', "campai
 def assert_no_leak(body):
     for word in LEAKS:
         assert word not in body, (word, body)
+
+
+def assert_clean_error(response, status, code):
+    assert_error(response, status, code)
+    assert_no_leak(response.text)
 
 
 # --- no key, expired, revoked, each missing level -----------------------------------------
@@ -68,22 +48,27 @@ def bad_keys(db, app, make_key):
             ("revoked", revoked), ("garbled", {"Authorization": "Bearer cak_" + "A" * 43})]
 
 
-@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+@pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
 def test_every_route_refuses_missing_expired_revoked_and_unknown_keys(client, bad_keys, route):
     for name, headers in bad_keys:
-        response = call(client, route, headers, {"name": "x"})
+        response = send(client, route.method, filled(route), headers, {"name": "x"})
         assert_clean_error(response, 401, "unauthorized")
         assert response.headers["WWW-Authenticate"].startswith("Bearer"), name
 
 
-@pytest.mark.parametrize("route", ROUTES, ids=route_id)
-def test_every_route_refuses_each_key_without_its_level(client, make_key, route):
-    for level in campaignapi.LEVELS:
-        if level == route.level:
-            continue
-        response = call(client, route, make_key([level]), {"name": "x"})
+@pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
+def test_access_level_of_every_route(client, make_key, route):
+    """A key lacking the route's level gets 403 naming it -- with any one
+    other level and with all the others; a key with only that level gets past."""
+    assert route.level in campaignapi.LEVELS
+    others = [level for level in campaignapi.LEVELS if level != route.level]
+    for levels in [[level] for level in others] + [others]:
+        response = send(client, route.method, filled(route), make_key(levels), {"name": "x"})
         assert_clean_error(response, 403, "insufficient_access")
         assert f"'{route.level}'" in response.json["data"]["message"]
+    response = send(client, route.method, filled(route), make_key([route.level]))
+    assert response.status_int not in (401, 403), response.text
+    assert response.json["success"] in (True, False)
 
 
 # --- another account's records ------------------------------------------------------------
@@ -112,8 +97,8 @@ VALID = {
 }
 
 #: Top-level creates name a new id: at another account's id they are 409 (ids are global).
-CREATES = [r for r in ROUTES if r.method == "PUT" and r.path.count("{") == 1]
-NAMING = [r for r in ROUTES if r not in CREATES]
+CREATES = [r for r in KEYED_ROUTES if r.method == "PUT" and r.path.count("{") == 1]
+NAMING = [r for r in KEYED_ROUTES if r not in CREATES]
 
 
 @pytest.fixture
@@ -146,11 +131,12 @@ def test_another_accounts_records_are_404_on_every_route_and_unchanged(
         path = "/v1" + re.sub(r"\{[^}]*\}$", child, re.sub(r"\{[^}]*\}", "1", route.path, 1)) \
             if route.path.count("{") == 2 else filled(route, child)
         if child == "all" and route.path.count("{") == 1:
-            response = call(client, route, other, path=path)
+            response = send(client, route.method, path, other)
             assert response.status_int == 200, response.text  # their own (empty) listing
             assert response.json["data"][next(iter(response.json["data"]))] == []
             continue
-        response = call(client, route, other, VALID.get((route.method, route.path)), path=path)
+        response = send(client, route.method, path, other,
+                        VALID.get((route.method, route.path)))
         assert_clean_error(response, 404, "not_found")
     assert snapshot(db) == before
 
@@ -160,7 +146,8 @@ def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other,
                                                                   route):
     params = {"name": "x", "accountprofile": 1} if "campaign" in route.path else {"name": "x"}
     before = snapshot(db)
-    assert_clean_error(call(client, route, other, params), 409, "conflict")
+    response = send(client, route.method, filled(route), other, params)
+    assert_clean_error(response, 409, "conflict")
     assert snapshot(db) == before
 
 
@@ -280,10 +267,10 @@ def test_forged_and_garbled_download_tokens_are_refused(api, client):
 
 def test_no_error_body_shows_sql_or_a_traceback(client, auth, api, monkeypatch):
     bodies = []
-    for route in ROUTES:
+    for route in KEYED_ROUTES:
         for params in (None, {"name": "'; DROP TABLE campaign; --"}, {"unknown": 1},
                        {"id": "1 OR 1=1"}):
-            bodies.append(call(client, route, auth, params).text)
+            bodies.append(send(client, route.method, filled(route), auth, params).text)
     # A real internal error: the handler's exception must stay in the log.
     def broken(call, **ids):
         raise sqlite3.OperationalError("near SELECT: syntax error in SELECT * FROM x")

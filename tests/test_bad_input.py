@@ -1,48 +1,19 @@
-"""Hardening: hostile and broken input gets a clear 4xx with the contract's
+"""Bad input: hostile and broken input gets a clear 4xx with the contract's
 code, never a 500 -- wrong types for every parameter of every route, huge
 and deeply nested JSON, invalid UTF-8, NUL bytes, line breaks in header
 values, ids past 2^63, negative paging."""
 
-import json
 import re
 import socket
 
 import pytest
-import webtest
 
 import campaignapi
-from datahelpers import make_datasource, recipients
+from helpers import (KEYED_ROUTES, assert_error, filled, keyed_client, make_datasource, recipients,
+                     route_id, send)
 from conftest import serving
 
-ROUTES = [route for route in campaignapi.ROUTES if route.level]
 MAX_ID = campaignapi.MAX_ID
-
-
-def route_id(route):
-    return f"{route.method} {route.path}"
-
-
-def filled(route, value="1"):
-    """The route's path with every placeholder replaced by ``value``."""
-    return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
-
-
-def send(client, method, path, headers, body=None, raw=None, content_type="application/json",
-         **options):
-    if body is not None:
-        raw = json.dumps(body).encode()
-    return client.request(path, method=method, headers=headers, body=raw or b"",
-                          content_type=content_type if raw else None, expect_errors=True,
-                          **options)
-
-
-def assert_error(response, status, code):
-    assert response.status_int == status, response.text
-    assert response.content_type == "application/json"
-    assert response.json["success"] is False, response.text
-    assert response.json["data"]["error"] == code, response.text
-    assert response.json["data"]["message"]
-    return response.json["data"]
 
 
 # --- wrong types for every parameter of every route --------------------------------------
@@ -62,7 +33,7 @@ WRONG = {
 
 
 def wrong_cases():
-    for route in ROUTES:
+    for route in KEYED_ROUTES:
         for param in route.params.values():
             kind = "choice" if param.choices else param.type
             for value in WRONG[kind]:
@@ -75,9 +46,7 @@ def shared(tmp_path_factory):
     """One app and one full key for the read-only matrices (a fresh app per
     case would make the matrix slow)."""
     db = str(tmp_path_factory.mktemp("input") / "campaignapi.db")
-    app = campaignapi.create_app(db)
-    secret = campaignapi.create_key(db, "owner@example.com")
-    client, auth = webtest.TestApp(app), {"Authorization": f"Bearer {secret}"}
+    client, auth = keyed_client(db)
     # Records 1 exist, so that a handler's own checks are reached too.
     send(client, "PUT", "/v1/datasource/1", auth, body={"name": "d"})
     send(client, "PUT", "/v1/campaign/1", auth, body={"name": "c", "accountprofile": 1})
@@ -93,19 +62,18 @@ def test_a_wrong_type_for_any_parameter_is_400_naming_it(shared, route, name, va
 
 
 def test_every_route_parameter_type_has_wrong_values():
-    kinds = {"choice" if p.choices else p.type for r in ROUTES for p in r.params.values()}
+    kinds = {"choice" if p.choices else p.type for r in KEYED_ROUTES for p in r.params.values()}
     assert kinds <= set(WRONG)
 
 
-@pytest.mark.parametrize("route", [r for r in ROUTES if "limit" in r.params], ids=route_id)
+@pytest.mark.parametrize("route", [r for r in KEYED_ROUTES if "limit" in r.params], ids=route_id)
 @pytest.mark.parametrize("params", [{"limit": -1}, {"offset": -1}, {"limit": "-5"},
                                     {"offset": "-0"}, {"limit": 0}, {"limit": 1001},
                                     {"offset": MAX_ID + 1}])
 def test_negative_or_out_of_range_paging_is_400(shared, route, params):
     client, auth, db = shared
     query = "&".join(f"{k}={v}" for k, v in params.items())
-    path = "/v1" + re.sub(r"\{[^}]*\}", lambda m: "all" if "all" in m.group() else "1",
-                          route.path)
+    path = filled(route, lambda m: "all" if "all" in m.group() else "1")
     response = send(client, route.method, path + "?" + query, auth)
     data = assert_error(response, 400, "invalid_parameter")
     assert data["field"] == next(iter(params))
@@ -114,7 +82,7 @@ def test_negative_or_out_of_range_paging_is_400(shared, route, params):
 # --- identifiers past 2^63 ---------------------------------------------------------------
 
 def id_cases():
-    for route in ROUTES:
+    for route in KEYED_ROUTES:
         names = re.findall(r"\{(\w+)(?::([\w|]+))?\}", route.path)
         for index, (name, allowed) in enumerate(names):
             if "name" in (allowed or "int").split("|"):
@@ -135,23 +103,22 @@ def test_identifiers_that_are_not_int64_are_400(shared, route, path, name):
 
 # --- bodies: size, depth, encoding --------------------------------------------------------
 
-@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+@pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
 def test_deeply_nested_json_is_400_not_a_crash(shared, route):
     client, auth, db = shared
     for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
-        assert_error(send(client, route.method, filled(route), auth, raw=raw), 400,
+        assert_error(send(client, route.method, filled(route), auth, body=raw), 400,
                      "invalid_json")
 
 
-@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+@pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
 def test_a_body_just_over_max_body_is_413(tmp_path, route):
     db = str(tmp_path / "small.db")
-    client = webtest.TestApp(campaignapi.create_app(db, max_body=1000))
-    auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
+    client, auth = keyed_client(db, max_body=1000)
     body = b'{"name": "' + b"x" * 988 + b'"}'
     assert len(body) == 1000
-    assert send(client, route.method, filled(route), auth, raw=body).status_int != 413
-    assert_error(send(client, route.method, filled(route), auth, raw=body + b" "), 413,
+    assert send(client, route.method, filled(route), auth, body=body).status_int != 413
+    assert_error(send(client, route.method, filled(route), auth, body=body + b" "), 413,
                  "payload_too_large")
 
 
@@ -167,11 +134,11 @@ INVALID_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("route", ROUTES, ids=route_id)
+@pytest.mark.parametrize("route", KEYED_ROUTES, ids=route_id)
 def test_invalid_json_bodies_are_400(shared, route):
     client, auth, db = shared
     for raw in INVALID_BODIES:
-        response = send(client, route.method, filled(route), auth, raw=raw)
+        response = send(client, route.method, filled(route), auth, body=raw)
         assert_error(response, 400, "invalid_json")
 
 

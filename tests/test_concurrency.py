@@ -1,4 +1,4 @@
-"""Hardening: two processes on one database file -- this one serving the app
+"""Concurrency: two processes on one database file -- this one serving the app
 under waitress with 8 threads, and ``python campaignapi.py`` (with its
 worker thread making due batches) -- under a bounded mixed load of reads,
 creates, imports, sends and process_due from client threads: no 5xx, no
@@ -7,40 +7,23 @@ creates, imports, sends and process_due from client threads: no 5xx, no
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import webtest
 
 import campaignapi
 from conftest import Api, serving
-from hardeninghelpers import build_world
+from helpers import answers, build_world, free_port, http, in_threads, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS, OPERATIONS = 8, 40
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(url, process, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()
-        try:
-            urllib.request.urlopen(url + "/v1/openapi.json", timeout=5).read()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"{url} did not come up")
+def _up(url, process):
+    assert process.poll() is None, process.communicate()
+    return answers(url, timeout=5)
 
 
 class Client:
@@ -52,14 +35,8 @@ class Client:
         self.lock = threading.Lock()
 
     def call(self, base, method, path, params=None):
-        data = json.dumps(params).encode() if params is not None else None
-        request = urllib.request.Request(base + "/v1" + path, data=data, method=method,
-                                         headers=self.headers)
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                status, text = response.status, response.read().decode()
-        except urllib.error.HTTPError as error:
-            status, text = error.code, error.read().decode()
+        status, _, body = http(base + "/v1" + path, method, params, self.headers, timeout=120)
+        text = body.decode()
         with self.lock:
             self.answers.append((status, method, path, text))
         return status, json.loads(text)
@@ -82,7 +59,8 @@ def test_two_processes_under_mixed_load_lose_nothing(db, tmp_path):
     try:
         with serving(app, threads=8) as first_url:
             second_url = f"http://127.0.0.1:{port}"
-            wait_for(second_url, second)
+            wait_for(lambda: _up(second_url, second), what=f"{second_url} to come up",
+                     interval=0.05)
             bases = [first_url, second_url]
 
             def work(number):
@@ -120,12 +98,7 @@ def test_two_processes_under_mixed_load_lose_nothing(db, tmp_path):
                     else:
                         campaignapi.process_due(db)
 
-            threads = [threading.Thread(target=work, args=(n,)) for n in range(CLIENTS)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(300)
-            assert not any(thread.is_alive() for thread in threads)
+            in_threads(work, range(CLIENTS), timeout=300)
     finally:
         second.terminate()
         second.wait(30)

@@ -1,4 +1,4 @@
-"""Hardening: schemathesis against the served OpenAPI document (every
+"""Fuzzing: schemathesis against the served OpenAPI document (every
 operation, positive and negative data: no 5xx, every answer as documented)
 and Hypothesis properties of the CSV importer and the merge-tag renderer."""
 
@@ -11,12 +11,13 @@ import urllib.parse
 
 import pytest
 import schemathesis
-import webtest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import checks as st_checks
 
 import campaignapi
+from conftest import Api
+from helpers import build_world, get_import, keyed_client, recipients
 
 #: Bounded for CI: examples per operation and generation mode.
 FUZZ_EXAMPLES = int(os.environ.get("CAMPAIGNAPI_FUZZ_EXAMPLES", "12"))
@@ -33,14 +34,10 @@ BOUNDED = settings(deadline=None, database=None,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """An app with records 1 of every kind, its key, and its schemathesis schema."""
-    from conftest import Api
-    from hardeninghelpers import build_world
-
     db = str(tmp_path_factory.mktemp("fuzz") / "campaignapi.db")
-    app = campaignapi.create_app(db)
-    auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
-    build_world(Api(webtest.TestApp(app), auth))
-    return app, auth, schemathesis.openapi.from_wsgi("/v1/openapi.json", app)
+    client, auth = keyed_client(db)
+    build_world(Api(client, auth))
+    return client.app, auth, schemathesis.openapi.from_wsgi("/v1/openapi.json", client.app)
 
 
 def operations():
@@ -118,17 +115,8 @@ def stored(value):
 @pytest.fixture(scope="module")
 def importer(tmp_path_factory):
     db = str(tmp_path_factory.mktemp("csv") / "campaignapi.db")
-    client = webtest.TestApp(campaignapi.create_app(db))
-    auth = {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
-
-    def call(method, path, status=200, **params):
-        response = client.request("/v1" + path, method=method, headers=auth,
-                                  body=json.dumps(params).encode(),
-                                  content_type="application/json", expect_errors=True)
-        assert response.status_int == status, response.text
-        return response.json["data"]
-
-    return client, call, auth
+    client, auth = keyed_client(db)
+    return client, Api(client, auth), auth
 
 
 @settings(BOUNDED, max_examples=40)
@@ -137,7 +125,7 @@ def importer(tmp_path_factory):
 def test_csv_round_trip_in_any_dialect(importer, table, dialect, upload):
     """Rows written by csv.writer come back the same through the recipient
     records and through the export's CSV."""
-    client, call, _ = importer
+    client, api, _ = importer
     names, rows = table
     text = io.StringIO(newline="")
     writer = csv.writer(text, **dialect)
@@ -152,17 +140,16 @@ def test_csv_round_trip_in_any_dialect(importer, table, dialect, upload):
         except UnicodeEncodeError:
             assume(False)
         kind, data = "base64", base64.b64encode(raw).decode()
-    ds = call("PUT", "/datasource/0", name="fuzz")["id"]
-    answer = call("PUT", f"/datasource/{ds}/import/0", name="i", originalfile="f.csv",
-                  __uploadtype__=kind, __uploaddata__=data)
-    record = call("GET", f"/datasource/{ds}/import/{answer['id']}")["import"]
+    ds = api.put("/datasource/0", name="fuzz")["id"]
+    answer = api.put(f"/datasource/{ds}/import/0", name="i", originalfile="f.csv",
+                     __uploadtype__=kind, __uploaddata__=data)
+    record = get_import(api, ds, answer["id"])
     assert (record["inserted"], record["skipped"]) == (str(len(rows)), "0"), record
-    listed = {r["email"]: r["fields"] for r in call(
-        "GET", f"/datasource/{ds}/recipient/all", limit=1000)["recipient"]}
+    listed = {email: record["fields"] for email, record in recipients(api, ds).items()}
     expected = {row[0]: {"email": row[0], **{n: stored(v) for n, v in zip(names, row[1:])}}
                 for row in rows}
     assert listed == expected
-    url = call("GET", f"/datasource/{ds}/export/0")["export"]["url"]
+    url = api.get(f"/datasource/{ds}/export/0")["export"]["url"]
     exported = list(csv.reader(io.StringIO(client.get(urllib.parse.urlsplit(url).path).text,
                                            newline="")))
     assert exported[0] == ["email"] + names
@@ -178,8 +165,8 @@ def test_csv_round_trip_in_any_dialect(importer, table, dialect, upload):
 @example(data=b'email,"unterminated\na@example.com,x\n')
 @example(data=b"sep=\n")
 def test_any_bytes_as_a_base64_upload_is_200_or_422(importer, data):
-    client, call, auth = importer
-    ds = call("PUT", "/datasource/0", name="bytes")["id"]
+    client, api, auth = importer
+    ds = api.put("/datasource/0", name="bytes")["id"]
     response = client.put_json(
         f"/v1/datasource/{ds}/import/0", {
             "name": "i", "originalfile": "f.csv", "__uploadtype__": "base64",
@@ -189,8 +176,8 @@ def test_any_bytes_as_a_base64_upload_is_200_or_422(importer, data):
     if response.status_int == 422:
         assert response.json["data"]["error"] == "invalid_data"
         # Nothing was written: no import record, no recipients.
-        assert call("GET", f"/datasource/{ds}/import/all")["total"] == "0"
-        assert call("GET", f"/datasource/{ds}/recipient/all")["total"] == "0"
+        assert api.get(f"/datasource/{ds}/import/all")["total"] == "0"
+        assert api.get(f"/datasource/{ds}/recipient/all")["total"] == "0"
 
 
 # --- the merge-tag renderer ---------------------------------------------------------------

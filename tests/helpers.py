@@ -1,0 +1,310 @@
+"""Helpers shared by the test files: the route table as paths, raw requests
+(through WSGI and over real HTTP), the error envelope, free ports and
+polling, direct database access, and records built through the API."""
+
+import base64
+import contextlib
+import json
+import re
+import socket
+import sqlite3
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import webtest
+
+import campaignapi
+
+# --- the route table -------------------------------------------------------------------------
+
+#: The routes that need a key (all but the public ones).
+KEYED_ROUTES = [route for route in campaignapi.ROUTES if route.level]
+
+
+def route_id(route):
+    """A route's test id, e.g. ``GET /campaign/{id}``.
+
+    :param route: a row of ``campaignapi.ROUTES``
+    """
+    return f"{route.method} {route.path}"
+
+
+def filled(route, value="1"):
+    """The route's path under /v1 with every placeholder replaced by ``value``.
+
+    :param route: a row of ``campaignapi.ROUTES``
+    :param value: the text put in place of each placeholder, or (as ``re.sub``
+        takes) a function of the placeholder's match that gives it
+    """
+    return "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
+
+
+# --- an app of one's own ---------------------------------------------------------------------
+
+def keyed_client(db, **config):
+    """A WebTest client of a new app on ``db`` (for fixtures wider than one
+    test) and the Authorization headers of a full-access key of owner@example.com.
+
+    :param db: the database file
+    :param config: settings for ``campaignapi.create_app``
+    """
+    client = webtest.TestApp(campaignapi.create_app(db, **config))
+    return client, {"Authorization": "Bearer " + campaignapi.create_key(db, "owner@example.com")}
+
+
+# --- requests --------------------------------------------------------------------------------
+
+def send(client, method, path, headers=None, body=None, content_type="application/json",
+         **options):
+    """A request through the WebTest ``client``, answered whatever its status.
+
+    :param path: the full path (with /v1 and any query string)
+    :param body: bytes sent as they are, None for no body, any other value as JSON
+    :param content_type: the body's type (none is sent without a body)
+    :param options: more keyword arguments of ``webtest.TestApp.request``
+    """
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    return client.request(path, method=method, headers=headers or {}, body=body or b"",
+                          content_type=content_type if body else None, expect_errors=True,
+                          **options)
+
+
+def http(url, method="GET", body=None, headers=None, timeout=30):
+    """A request over real HTTP, answered whatever its status: (status, headers, body bytes).
+
+    :param body: bytes sent as they are, None for no body, any other value as JSON
+        (with a JSON Content-Type unless ``headers`` name one)
+    :param headers: request headers
+    :param timeout: seconds to wait for the answer
+    """
+    headers = dict(headers or {})
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+def assert_envelope(response, success, status):
+    """The response is the contract's envelope with this status; its data.
+
+    :param response: a WebTest response
+    :param success: the envelope's expected ``success``
+    :param status: the expected HTTP status
+    """
+    assert response.status_int == status, response.text
+    assert response.content_type == "application/json"
+    body = response.json
+    assert set(body) == {"responseId", "version", "success", "data"}
+    assert body["version"] == 1
+    assert body["success"] is success
+    assert isinstance(body["responseId"], str)
+    assert re.fullmatch(r"[0-9a-f]{16,}", body["responseId"])
+    assert response.headers["X-Response-Id"] == body["responseId"]
+    return body["data"]
+
+
+def assert_error(response, status, code):
+    """The response is an error envelope with this status, code and a message; its data.
+
+    :param response: a WebTest response
+    :param status: the expected HTTP status
+    :param code: the expected error code
+    """
+    data = assert_envelope(response, False, status)
+    assert data["error"] == code, data
+    assert isinstance(data["message"], str) and data["message"]
+    return data
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+def free_port():
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def answers(base, timeout=30):
+    """Whether the app served at ``base`` answers its OpenAPI document yet.
+
+    :param base: the server's base URL, e.g. ``http://127.0.0.1:40123``
+    :param timeout: seconds to wait for the answer
+    """
+    try:
+        return http(base + "/v1/openapi.json", timeout=timeout)[0] == 200
+    except OSError:
+        return False
+
+
+def wait_for(condition, timeout=30, what="condition", interval=0.1):
+    """Poll ``condition()`` until it holds; fail after ``timeout`` seconds.
+
+    :param what: what is awaited, for the failure message
+    :param interval: seconds between polls
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_threads(target, arguments, timeout=60):
+    """Run ``target(argument)`` for every argument, each in its own thread, all at once.
+
+    :param arguments: one argument per thread
+    :param timeout: seconds to wait for each thread; one still running fails the test
+    """
+    threads = [threading.Thread(target=target, args=(argument,)) for argument in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+# --- the database ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def database(db):
+    """A connection to the app's database file, closed on leaving."""
+    conn = campaignapi.connect(db)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def scalar(db, sql, *args):
+    """The first column of the first row of a query.
+
+    :param args: the query's ``?`` parameters
+    """
+    with database(db) as conn:
+        return conn.execute(sql, args).fetchone()[0]
+
+
+def snapshot(db, skip=("setting",)):
+    """Every row of every table, to compare before and after."""
+    conn = sqlite3.connect(db)
+    try:
+        tables = [row[0] for row in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+        return {table: sorted(conn.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
+                for table in tables if table not in skip}
+    finally:
+        conn.close()
+
+
+def add_recipients(db, datasource, rows, status="active"):
+    """Insert recipients straight into the database (imports are another
+    part's work): ``rows`` are ``(email, {field name: stored value})``."""
+    conn = sqlite3.connect(db)
+    try:
+        ids = {name.lower(): str(field_id) for field_id, name in conn.execute(
+            "SELECT id, name FROM field WHERE datasource = ?", (datasource,))}
+        with conn:
+            conn.executemany(
+                "INSERT INTO recipient (datasource, email, data, status) VALUES (?, ?, ?, ?)",
+                [(datasource, email, json.dumps({ids[k.lower()]: v for k, v in values.items()}),
+                  status) for email, values in rows])
+    finally:
+        conn.close()
+
+
+def bulk_recipients(db, datasource, count, domain="bulk.example"):
+    """Insert ``count`` active recipients into ``datasource`` by SQL (fast)."""
+    conn = campaignapi.connect(db)
+    try:
+        with campaignapi.transaction(conn):
+            conn.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+                "INSERT INTO recipient (datasource, email, created, updated) "
+                "SELECT ?, 'r' || i || '@' || ?, '2024-01-01 00:00:00', '2024-01-01 00:00:00' "
+                "FROM n", (count, datasource, domain))
+    finally:
+        conn.close()
+
+
+# --- records through the API ----------------------------------------------------------------
+
+HTML = "<p>Hi {{first}}</p><p><a href='{{unsubscribe_url}}'>unsubscribe</a></p>"
+TEXT = "Hi {{first}}\nUnsubscribe: {{unsubscribe_url}}"
+
+
+def make_datasource(api, name="list", fields=()):
+    """A new datasource of the api's account; its id (int)."""
+    return int(api.put("/datasource/0", name=name, fields=list(fields))["id"])
+
+
+def import_csv(api, ds, text, status=200, uploadtype="csv", encoding="utf-8", name="import",
+               originalfile="people.csv"):
+    """Import CSV text (as csv, or as base64 of ``text`` encoded in ``encoding``).
+
+    :param api: the ``api`` fixture (or any ``conftest.Api``)
+    :param ds: the datasource's id
+    :param status: the expected HTTP status
+    """
+    data = text if uploadtype == "csv" else base64.b64encode(
+        text if isinstance(text, bytes) else text.encode(encoding)).decode("ascii")
+    return api.put(f"/datasource/{ds}/import/0", status=status, name=name,
+                   originalfile=originalfile, __uploadtype__=uploadtype, __uploaddata__=data)
+
+
+def get_import(api, ds, import_id):
+    """The import record ``import_id`` of datasource ``ds``."""
+    return api.get(f"/datasource/{ds}/import/{import_id}")["import"]
+
+
+def recipients(api, ds, **params):
+    """Every recipient of the datasource as {email: record}."""
+    page = api.get(f"/datasource/{ds}/recipient/all", limit=1000, **params)
+    return {record["email"]: record for record in page["recipient"]}
+
+
+def build_world(api, send=True):
+    """One record of every kind for the api's account, all at id 1 when the
+    database is fresh: datasource (with a field, recipients, an import, an
+    export and an organize record), message, segment, sender profile, and a
+    sendable campaign with a campaign message and (``send``) a batch."""
+    ds = api.put("/datasource/0", name="customers",
+                 fields=[{"name": "first", "type": "text"}])["id"]
+    import_csv(api, ds, "email,first\nann@example.com,Ann\nbob@example.com,Bob\n",
+               name="list", originalfile="list.csv")
+    api.get(f"/datasource/{ds}/export/0")
+    api.put(f"/datasource/{ds}/organize/0", item=int(ds), folder="top", sortorder=1)
+    ids = {"datasource": ds, **make_campaign(api, [int(ds)])}
+    if send:
+        ids["batch"] = api.put(f"/campaign/{ids['campaign']}/send/0",
+                               timestamp="2000-01-01 00:00:00")["id"]
+    return ids
+
+
+def make_campaign(api, datasources, **params):
+    """A sendable campaign to every recipient of ``datasources``: a sender
+    profile, a message, a segment, the campaign and its campaign message.
+
+    :param datasources: the segment's datasource ids (ints)
+    :param params: more parameters of the campaign (e.g. ``archiveemail``)
+    :returns: the new records' ids, by kind (profile, message, segment, campaign)
+    """
+    profile = api.put("/accountprofile/0", name="Shop", fromname="The Shop",
+                      fromaddress="news@shop.example")["id"]
+    message = api.put("/message/0", name="Welcome", subject="Hello {{first}}",
+                      html=HTML, text=TEXT)["id"]
+    segment = api.put("/segment/0", name="all", datasources=datasources)["id"]
+    campaign = api.put("/campaign/0", name="Launch", accountprofile=int(profile), **params)["id"]
+    api.put(f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
+    return {"profile": profile, "message": message, "segment": segment, "campaign": campaign}
