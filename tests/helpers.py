@@ -4,6 +4,7 @@ polling, direct database access, and records built through the API."""
 
 import base64
 import contextlib
+import html
 import json
 import re
 import socket
@@ -308,3 +309,23 @@ def make_campaign(api, datasources, **params):
     campaign = api.put("/campaign/0", name="Launch", accountprofile=int(profile), **params)["id"]
     api.put(f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
     return {"profile": profile, "message": message, "segment": segment, "campaign": campaign}
+
+
+def fill(template, values, as_html=False):
+    """Merge tags filled as delivery fills them (campaignapi's _Template),
+    ``values`` by name without case."""
+    return campaignapi._Template(template).fill(
+        {str(name).lower(): str(value) for name, value in values.items()}, as_html=as_html)
+
+
+def reference_fill(template, values, as_html=False):
+    """The merge-tag rule written plainly, as an oracle for delivery's faster
+    split-and-join: each {{ name }} (without case) becomes its value, escaped
+    in html, an unknown name nothing."""
+    lowered = {str(name).lower(): str(value) for name, value in values.items()}
+
+    def one(match):
+        value = lowered.get(match.group(1).lower(), "")
+        return html.escape(value, quote=True) if as_html else value
+
+    return re.sub(r"\{\{\s*([^{}]*?)\s*\}\}", one, template or "")
