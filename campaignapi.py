@@ -3729,7 +3729,7 @@ def _checked_addresses(host, port, allow_private, deadline):
         ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
         problem = _address_problem(ip, allow_private)
         if problem:
-            hint = ("" if allow_private else
+            hint = ("" if allow_private or "metadata" in problem else
                     " (the setting webhook_allow_private allows loopback and private ones)")
             where = f"address {ip} is" if host == str(ip) else f"host {host} resolves to {ip},"
             raise ValueError(f"The URL's {where} {problem}; webhooks call only public"
@@ -3923,7 +3923,8 @@ def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
         error)`` with a phrase for the webhook's record; it never raises for
         anything the receiver or the network does.
     """
-    headers = {"Content-Type": "application/json", **headers}
+    if not any(name.lower() == "content-type" for name in headers):
+        headers = {"Content-Type": "application/json", **headers}
     try:
         status, _ = _http_exchange("POST", url, headers, bytes(body), allow_private=allow_private,
                                    timeout=timeout, max_response=max_response,
@@ -4132,7 +4133,7 @@ def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_H
     """
     message = _mapping(_json_body(body), "The SNS message")
     kind = message.get("Type")
-    if kind not in _SNS_SIGNED_FIELDS:
+    if not isinstance(kind, str) or kind not in _SNS_SIGNED_FIELDS:
         raise ValueError(f"The SNS message Type {kind!r} is not known.")
     for name in _SNS_SIGNED_FIELDS[kind]:
         _text(message.get(name), f"The SNS field {name}", required=name != "Subject")
@@ -4235,6 +4236,7 @@ def read_postmark(body, authorization_header, credentials):
         raise ProviderAuthError("The Postmark credentials are wrong.")
     record = _mapping(_json_body(body), "The Postmark call")
     record_type, kind = record.get("RecordType"), record.get("Type")
+    kind = kind if isinstance(kind, str) else None
     reason = record.get("Description") or record.get("Details") or kind
     if record_type == "SpamComplaint" or (record_type == "Bounce" and kind == "SpamComplaint"):
         return [_event(record.get("Email"), "complaint", reason, record.get("MessageID"))]

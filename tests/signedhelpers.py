@@ -94,6 +94,8 @@ class Receiver:
         return self
 
     def __exit__(self, *exc):
+        if self.release.is_set():
+            return
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
