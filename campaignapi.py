@@ -3603,13 +3603,20 @@ def sign_webhook(secret, msg_id, timestamp, body):
     msg_id = str(msg_id)
     if not msg_id or re.search(r"[\x00-\x20\x7f]", msg_id):
         raise ValueError("A webhook message id is non-empty and has no spaces or control characters.")
-    if isinstance(body, str):
-        body = body.encode("utf-8")
+    body = _as_bytes(body)
     seconds = str(int(timestamp))
     digest = hmac.new(_webhook_key(secret), f"{msg_id}.{seconds}.".encode() + body,
                       hashlib.sha256).digest()
     return {"webhook-id": msg_id, "webhook-timestamp": seconds,
             "webhook-signature": "v1," + base64.b64encode(digest).decode("ascii")}
+
+
+def _as_bytes(body):
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a body is bytes, not {type(body).__name__}")
+    return bytes(body)
 
 
 # Addresses and URLs -----------------------------------------------------------
@@ -3926,7 +3933,8 @@ def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
     if not any(name.lower() == "content-type" for name in headers):
         headers = {"Content-Type": "application/json", **headers}
     try:
-        status, _ = _http_exchange("POST", url, headers, bytes(body), allow_private=allow_private,
+        status, _ = _http_exchange("POST", url, headers, _as_bytes(body),
+                                   allow_private=allow_private,
                                    timeout=timeout, max_response=max_response,
                                    context=context, read_body=False)
     except (OSError, ValueError) as error:   # refusals, DNS, TLS, timeouts, bad answers
@@ -4131,6 +4139,8 @@ def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_H
     :raises ValueError: not JSON or not shaped like SNS and SES messages, or a
         confirmation that could not be fetched.
     """
+    if isinstance(topic_arns, str):   # one ARN, not the letters of one
+        topic_arns = (topic_arns,)
     message = _mapping(_json_body(body), "The SNS message")
     kind = message.get("Type")
     if not isinstance(kind, str) or kind not in _SNS_SIGNED_FIELDS:
@@ -4174,6 +4184,8 @@ def read_mailgun(body, signing_key):
         PROVIDER_MAX_AGE.
     :raises ValueError: not JSON or not shaped like a Mailgun webhook.
     """
+    if not signing_key:
+        raise ProviderAuthError("No Mailgun signing key is configured.")
     call = _mapping(_json_body(body), "The Mailgun call")
     signed = call.get("signature")
     if not isinstance(signed, dict):
@@ -4225,6 +4237,8 @@ def read_postmark(body, authorization_header, credentials):
     :raises ProviderAuthError: no or wrong basic credentials.
     :raises ValueError: not JSON or not shaped like a Postmark webhook.
     """
+    if not credentials:
+        raise ProviderAuthError("No Postmark credentials are configured.")
     scheme, _space, encoded = (authorization_header or "").strip().partition(" ")
     try:
         given = base64.b64decode(encoded.strip(), validate=True)
@@ -4295,7 +4309,7 @@ def read_sendgrid(body, signature_header, timestamp_header, public_key):
         raise ProviderAuthError("The SendGrid signature is not base64.") from None
     crypto = _crypto()
     try:
-        key.verify(signature, timestamp_header.encode("ascii") + bytes(body),
+        key.verify(signature, timestamp_header.encode("ascii") + _as_bytes(body),
                    crypto.ec.ECDSA(crypto.hashes.SHA256()))
     except crypto.InvalidSignature:
         raise ProviderAuthError("The SendGrid signature does not match.") from None

@@ -236,6 +236,16 @@ def test_sns_forged_altered_replayed_and_unsigned_are_refused(sns):
         assert name
 
 
+def test_sns_topics_given_as_one_string_are_one_topic(sns):
+    message = sns.message(SES_BOUNCE, topic="arn")
+    with pytest.raises(ProviderAuthError, match="not one accepted"):
+        campaignapi.read_sns(json.dumps(message).encode(), topic_arns=TOPIC, fetch=sns.fetch,
+                             cert_url_pattern=sns.pattern)
+    assert len(campaignapi.read_sns(json.dumps(sns.message(SES_BOUNCE)).encode(),
+                                    topic_arns=TOPIC, fetch=sns.fetch,
+                                    cert_url_pattern=sns.pattern)) == 2
+
+
 def test_sns_default_pattern_allows_only_amazon_hosts(sns):
     message = sns.message(SES_BOUNCE)
     with pytest.raises(ProviderAuthError, match="not an https URL of Amazon SNS"):
@@ -346,6 +356,14 @@ def test_mailgun_forged_replayed_and_unsigned_are_refused():
         with pytest.raises(ProviderAuthError, match=says):
             read_mailgun(call)
         assert name
+
+
+def test_mailgun_and_postmark_without_configured_secrets_refuse_everything():
+    unkeyed = mailgun(MAILGUN_FAILED, key="")
+    with pytest.raises(ProviderAuthError, match="configured"):
+        read_mailgun(unkeyed, key="")
+    with pytest.raises(ProviderAuthError, match="configured"):
+        campaignapi.read_postmark(json.dumps(POSTMARK_BOUNCE).encode(), "Basic Og==", "")
 
 
 def test_mailgun_malformed_is_a_value_error():
