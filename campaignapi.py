@@ -3084,6 +3084,7 @@ h1{{font-size:1.5em;margin:.2em 0 .8em}} h2{{font-size:1.15em;margin:1.6em 0 .5e
 .figures div{{background:#f6f8fa;border-radius:8px;padding:.6em .8em}}
 .figures dt{{font-size:.85em;color:#57606a}} .figures dd{{margin:0;font-size:1.5em;font-weight:600}}
 figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
+.chart{{overflow-x:auto}} .chart svg{{min-width:640px}}
 .legend{{font-size:.9em;color:#57606a}} .key{{display:inline-block;width:.8em;height:.8em;margin:0 .3em 0 1em;border-radius:2px}}
 table{{border-collapse:collapse;width:100%;font-size:.95em}}
 th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
@@ -3153,7 +3154,9 @@ def _chart(unit, buckets):
 
     label_every = max(1, round(len(buckets) / 6))
     parts = [
-        f'<figure><svg viewBox="0 0 {width} {height}" role="img" aria-labelledby="chart-title '
+        # On a phone the chart scrolls sideways rather than shrink its labels away.
+        f'<figure><div class="chart" tabindex="0">'
+        f'<svg viewBox="0 0 {width} {height}" role="img" aria-labelledby="chart-title '
         f'chart-desc" xmlns="http://www.w3.org/2000/svg" font-size="11" '
         f'font-family="system-ui,sans-serif">',
         f'<desc id="chart-desc">Bars per {unit}: opens in blue, clicks in orange; highest '
@@ -3180,7 +3183,7 @@ def _chart(unit, buckets):
             parts.append(f'<text x="{left + (index + 0.5) * step:.1f}" y="{height - 8}" '
                          f'text-anchor="middle" fill="#57606a">{text}</text>')
         parts.append("</g>")
-    parts.append('</svg><figcaption class="legend"><span class="key" style="background:#2f81f7">'
+    parts.append('</svg></div><figcaption class="legend"><span class="key" style="background:#2f81f7">'
                  '</span>opens<span class="key" style="background:#d4700a"></span>clicks'
                  '</figcaption></figure>')
     rows = "".join(f'<tr><td>{html.escape(label)}</td><td class="n">{opens}</td>'
