@@ -3209,21 +3209,17 @@ def archive_page(archive_record, title):
     figures = "".join(
         f'<div><dt>{label}</dt><dd data-figure="{name}">{html.escape(str(record.get(name, "0")))}'
         f'</dd></div>' for name, label in _FIGURES)
-    links = [link for link in record.get("links") or () if isinstance(link, dict)]
-    if links:
-        rows = "".join(
-            f'<tr><td class="url">{html.escape(str(link.get("url", "")))}</td>'
-            f'<td class="n">{html.escape(str(link.get("clicks", "0")))}</td>'
-            f'<td class="n">{html.escape(str(link.get("clicked", "0")))}</td></tr>'
-            for link in links)
-        links = ('<table><thead><tr><th scope="col">Link</th><th class="n" scope="col">Clicks'
-                 '</th><th class="n" scope="col">People</th></tr></thead>'
-                 f'<tbody>{rows}</tbody></table>')
-    else:
-        links = "<p>No tracked links.</p>"
+    rows = "".join(
+        f'<tr><td class="url">{html.escape(str(link.get("url", "")))}</td>'
+        f'<td class="n">{html.escape(str(link.get("clicks", "0")))}</td>'
+        f'<td class="n">{html.escape(str(link.get("clicked", "0")))}</td></tr>'
+        for link in record.get("links") or () if isinstance(link, dict))
+    link_table = ('<table><thead><tr><th scope="col">Link</th><th class="n" scope="col">Clicks'
+                  '</th><th class="n" scope="col">People</th></tr></thead>'
+                  f'<tbody>{rows}</tbody></table>') if rows else "<p>No tracked links.</p>"
     unit, buckets = _timeline_buckets(record.get("timeline"))
     return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
-                                chart=_chart(unit, buckets), links=links)
+                                chart=_chart(unit, buckets), links=link_table)
 
 
 # ---------------------------------------------------------------------------
