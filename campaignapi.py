@@ -2788,7 +2788,8 @@ def sign_token(secret, purpose, *numbers):
     The numbers are packed as varints and followed by a truncated
     HMAC-SHA256 under a key of the purpose; the whole is base64url without
     padding (an outbox id and a link index: about 22 characters).  Nothing
-    personal goes in: a token names rows, the database knows the rest.
+    personal goes in: a token names rows, the database knows the rest.  The
+    numbers are signed, not encrypted: readable with effort, never changed.
 
     :param secret: the service secret (str or bytes).
     :param purpose: what the token is for: 'open', 'click', 'unsubscribe',
