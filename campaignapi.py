@@ -3034,7 +3034,7 @@ def _detected_failures(msg, original):
         return None
     try:
         temporary, permanent = flufl.bounce.all_failures(msg)
-    except Exception:  # noqa: BLE001 - a detector's bug must not hide the VERP fallback
+    except Exception:  # a detector's bug must not hide the VERP fallback
         log.debug("flufl.bounce failed on a message", exc_info=True)
         return None
     addresses = permanent or temporary
@@ -3114,7 +3114,7 @@ def classify_bounce(raw, secret=None):
     """
     try:
         return _classify(raw, secret)
-    except Exception:  # noqa: BLE001 - a message no parser can read is no bounce
+    except Exception:  # a message no parser can read is no bounce
         log.warning("a bounce message could not be read; taken as no bounce", exc_info=True)
         return _no_bounce("the message could not be read")
 
@@ -3220,7 +3220,7 @@ def _handle_one(imap, uid, handle, max_bytes):
         return False
     try:
         done = handle(raw)
-    except Exception:  # noqa: BLE001 - one bad message must not stop the run
+    except Exception:  # one bad message must not stop the run
         log.exception("bounce mailbox: message %s could not be handled; left", uid.decode())
         return False
     if not done:

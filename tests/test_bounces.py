@@ -5,7 +5,8 @@ import pathlib
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import campaignapi
 from campaignapi import classify_bounce, read_verp, verp_address
