@@ -20,6 +20,7 @@ import ipaddress
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -108,6 +109,23 @@ def _self_signed(root):
     return cert_path
 
 
+def session_members(session_id):
+    """The pids of the live processes in session ``session_id`` (Linux /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # After "pid (comm)": state ppid pgrp session ...
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
 class Dovecot:
     """One dovecot instance with one user (``user``/``password``)."""
 
@@ -161,8 +179,11 @@ class Dovecot:
     def start(self):
         try:
             self._write_files()
+            # A session of its own: every process of this instance is findable
+            # by its session id (the master's pid), and only those.
             self.process = subprocess.Popen([DOVECOT, "-c", self.config_path, "-F"],
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -196,6 +217,10 @@ class Dovecot:
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait(timeout=10)
+            # Children the master left behind (it was killed): this instance's only.
+            for pid in session_members(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.process.stdout.close()
             self.process = None
         if self.root is not None:

@@ -2,6 +2,7 @@
 (tests/dovecot.py; the session's server, INBOX emptied per test)."""
 
 import logging
+import os
 import pathlib
 import socket
 import ssl
@@ -103,7 +104,7 @@ def test_a_wrong_password_is_a_clear_error(dovecot_server):
     # A server of its own (dovecot_server only skips where dovecot is
     # missing): after a failed login dovecot delays every later login from
     # that address by seconds, which would slow the other tests.
-    from dovecot import Dovecot
+    from dovecot import Dovecot, session_members
 
     with Dovecot() as server:
         server.append(HARD)
@@ -114,6 +115,11 @@ def test_a_wrong_password_is_a_clear_error(dovecot_server):
         maildir = pathlib.Path(server.root, "mail", server.user)
         stored = [path.read_bytes() for path in maildir.glob("*/*") if path.is_file()]
         assert stored == [HARD.replace(b"\r\n", b"\n")]
+        root, master = server.root, server.process.pid
+        assert len(session_members(master)) > 1    # the master and the processes it started
+    # The helper leaves nothing behind: no directory, no process of that instance.
+    assert not os.path.exists(root)
+    assert session_members(master) == []
 
 
 @pytest.mark.parametrize("folder", ["Bounces", 'We"ird', "Ünicode", "a\r\nb"])
