@@ -3074,7 +3074,9 @@ def _classify(raw, secret):
         return _no_bounce("more MIME parts than a bounce has")
     # The compat32 policy, as flufl.bounce expects; it never raises on bad headers.
     msg = email.message_from_bytes(raw)
-    head = msg if len(raw) <= BOUNCE_SCAN_BYTES else email.message_from_bytes(raw[:BOUNCE_SCAN_BYTES])
+    # flufl.bounce's detectors call str methods on headers, which compat32
+    # gives as Header objects when they hold 8-bit bytes: they read text.
+    head = email.message_from_string(raw[:BOUNCE_SCAN_BYTES].decode("utf-8", "replace"))
     original = _returned_message(msg)
     blocks = [block for part in _parts(msg)
               if part.get_content_type() in ("message/delivery-status", "message/global-delivery-status",

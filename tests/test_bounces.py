@@ -298,6 +298,15 @@ def test_auto_replies_are_none_even_with_bounce_words(headers):
     assert classify_bounce(raw)["type"] == "hard"
 
 
+def test_8bit_headers_do_not_stop_the_detectors():
+    # Raw UTF-8 in a header, as non-English mail servers write their names.
+    raw = corpus("qmail_qsbmf.eml").replace(
+        b"From: MAILER-DAEMON@mail.example.net",
+        "From: Système de messagerie <MAILER-DAEMON@mail.example.net>".encode())
+    result = classify_bounce(raw)
+    assert (result["type"], result["email"]) == ("hard", "ghost@example.net")
+
+
 def test_text_and_other_input_types():
     assert classify_bounce(corpus("gmail_dsn.eml").decode())["type"] == "hard"
     assert classify_bounce(bytearray(corpus("gmail_dsn.eml")))["type"] == "hard"
