@@ -3109,7 +3109,8 @@ def classify_bounce(raw, secret=None):
     a VERP address signed with ``secret`` or None (when set, it is the better
     answer to "who": the report's address may be a forwarding target);
     ``message_id`` the original's Message-ID (from the returned message, else
-    the report, else In-Reply-To) or None; ``reason`` a short text.  Never raises: any bytes give an answer.
+    the report, else In-Reply-To) or None; ``reason`` a short text.  Never
+    raises: any bytes give an answer.
 
     :param raw: the whole message as bytes (str is taken as UTF-8).
     :param secret: the service's signing secret, to read VERP addresses.
