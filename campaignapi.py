@@ -42,7 +42,9 @@ import contextlib
 import csv
 import datetime
 import email.errors
+import email.header
 import email.headerregistry
+import email.message
 import email.policy
 import email.utils
 import functools
@@ -50,6 +52,7 @@ import hashlib
 import hmac
 import html
 import html.parser
+import imaplib
 import importlib.metadata
 import io
 import ipaddress
@@ -73,6 +76,7 @@ import types
 import urllib.parse
 
 import bottle
+import flufl.bounce
 
 log = logging.getLogger("campaignapi")
 
@@ -3387,6 +3391,504 @@ def archive_page(archive_record, title):
     unit, buckets = _timeline_buckets(record.get("timeline"))
     return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
                                 chart=_chart(unit, buckets), links=link_table)
+
+
+# ---------------------------------------------------------------------------
+# Inbound mail: VERP addresses, reading bounces and complaints, the bounce mailbox
+# ---------------------------------------------------------------------------
+
+#: What classify_bounce() answers in "type".
+BOUNCE_TYPES = ("hard", "soft", "complaint", "none")
+#: Bytes of a bounce that are read; the rest, nearly always the tail of the
+#: returned original (whose headers come first), is cut so that a huge
+#: message cannot hold a worker: flufl.bounce's heuristics read every line.
+BOUNCE_MAX_BYTES = 128 * 1024
+#: flufl.bounce's heuristics (forty patterns, each over every line) read only
+#: this head of a message: the notice of a plain-text bounce comes first.
+BOUNCE_SCAN_BYTES = 16 * 1024
+#: More multipart containers, or more lines that could delimit parts, than any
+#: bounce has: such a message is taken as none unread, since the email
+#: parser's cost grows with nesting depth times lines (seconds for 100 KB).
+BOUNCE_MAX_CONTAINERS, BOUNCE_MAX_DELIMITERS = 20, 300
+#: A bounce mailbox run reads at most this many messages, each at most this big.
+MAILBOX_MAX_MESSAGES, MAILBOX_MAX_BYTES = 1000, 10 * 1024 * 1024
+
+# VERP: bounces+{outbox id}-{mac}@domain.  The mac is 80 bits of HMAC-SHA256
+# in lower-case base32 (16 characters), so mail systems that fold the case of
+# local parts cannot break it, and the address stays far below 64 characters.
+_VERP_LOCAL = re.compile(r"bounces\+(0|[1-9][0-9]{0,18})-([a-z2-7]{16})")
+_VERP_IN_TEXT = re.compile(r"bounces\+[0-9]{1,19}-[a-z2-7]{16}@[^\s<>\"',;]+", re.IGNORECASE)
+
+
+def _verp_mac(secret, outbox_text):
+    key = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
+    digest = hmac.new(key, b"verp:" + outbox_text.encode("ascii"), hashlib.sha256).digest()
+    return base64.b32encode(digest[:10]).decode("ascii").lower()
+
+
+def verp_address(secret, outbox_id, bounce_domain):
+    """The envelope sender of one campaign email: ``bounces+TOKEN@bounce_domain``,
+    where TOKEN names the outbox email and is signed with ``secret``.
+
+    :param secret: the service's signing secret (str or bytes).
+    :param outbox_id: the id of the outbox row the email is sent from.
+    :param bounce_domain: the domain whose mail reaches the bounce mailbox.
+    """
+    if isinstance(outbox_id, bool) or not isinstance(outbox_id, int) or not 0 <= outbox_id <= MAX_ID:
+        raise ValueError(f"an outbox id is an integer from 0 to {MAX_ID}, not {outbox_id!r}")
+    return f"bounces+{outbox_id}-{_verp_mac(secret, str(outbox_id))}@{bounce_domain}"
+
+
+def read_verp(secret, address):
+    """The outbox id named by a VERP address that ``secret`` signed, else None.
+
+    :param address: the address as found in a header: with or without angle
+        brackets and a display name; the local part in any case.
+    """
+    if not isinstance(address, str):
+        return None
+    local = email.utils.parseaddr(address)[1].rpartition("@")[0].lower()
+    match = _VERP_LOCAL.fullmatch(local)
+    if match is None or int(match[1]) > MAX_ID:
+        return None
+    if not hmac.compare_digest(match[2], _verp_mac(secret, match[1])):
+        return None
+    return int(match[1])
+
+
+# Headers of a bounce that carry the address it was sent to (the VERP address
+# when it came back to our envelope sender), most specific first.
+_ENVELOPE_HEADERS = ("Delivered-To", "X-Original-To", "Envelope-To", "X-Envelope-To", "To",
+                     "Return-Path")
+# Fields of DSN and ARF reports, and headers of the returned original, that
+# carry our envelope sender.
+_SENDER_FIELDS = ("Original-Mail-From", "X-Postfix-Sender", "Return-Path")
+_DAEMON_SENDERS = {"mailer-daemon", "postmaster", "mail-daemon", "mailerdaemon", "mdaemon"}
+_AUTO_REPLY_SUBJECT = re.compile(
+    r"\s*(auto(matic)?[ -]?(reply|response|answer|antwort)\b|auto:|autoreply|out of (the )?office"
+    r"|away from (my )?(e-?mail|mail|the office|office)|on vacation|vacation\b|abwesenheit"
+    r"|r[ée]ponse automatique|absence\b)", re.IGNORECASE)
+_BOUNCE_SUBJECT = re.compile(
+    r"undeliver|undelivered|not delivered|could not be delivered|delivery (status|failure|failed"
+    r"|problem|notification)|returned mail|failure notice|mail delivery failed|non[- ]?delivery",
+    re.IGNORECASE)
+_STATUS_CODE = re.compile(r"(?<![\d.])([245])\.\d{1,3}\.\d{1,3}(?![\d.])")
+_SMTP_REPLY = re.compile(r"(?<![\d.])[45][0-9][0-9][ -]")
+_COPY_SEPARATOR = re.compile(
+    r"^[ \t]*-{2,}.*(copy of|original message|returned message|message follows|returned mail)",
+    re.IGNORECASE | re.MULTILINE)
+
+
+def _mail_text(value):
+    """A header value as text: encoded words decoded, whitespace folded."""
+    if value is None:
+        return ""
+    try:
+        value = str(email.header.make_header(email.header.decode_header(str(value))))
+    except (email.errors.HeaderParseError, LookupError, UnicodeError, ValueError):
+        value = str(value)
+    return " ".join(value.split())
+
+
+def _short(text, limit=200):
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _report_address(value):
+    """The address of a report field such as ``rfc822; user@example.com`` or
+    ``<user@example.com>``, normalized, else None."""
+    value = _mail_text(value)
+    if re.match(r"[A-Za-z0-9-]+\s*;", value):
+        value = value.split(";", 1)[1]
+    return _normalize_email(email.utils.parseaddr(value.strip())[1] or value.strip().strip("<>"))
+
+
+def _message_id(value):
+    """A Message-ID in its ``<id>`` spelling, else None."""
+    value = _mail_text(value)
+    match = re.search(r"<([^<>\s]+)>", value)
+    if match:
+        return f"<{match[1]}>"
+    return f"<{value}>" if value and "@" in value and " " not in value else None
+
+
+def _parts(msg):
+    """The message and its MIME parts, not descending into enclosed messages
+    (the returned original of a bounce is its content, not part of the report)."""
+    stack = [msg]
+    while stack:
+        part = stack.pop()
+        yield part
+        if part.is_multipart() and part.get_content_maintype() == "multipart":
+            stack.extend(reversed(part.get_payload()))
+
+
+def _field_blocks(part):
+    """The header blocks of a message/delivery-status or feedback-report part."""
+    payload = part.get_payload()
+    if not isinstance(payload, list):
+        # A report the parser left as text (an unusual transfer encoding).
+        return _split_blocks(part.get_payload(decode=True) or b"")
+    blocks = [block for block in payload if isinstance(block, email.message.Message)]
+    # The parser splits only message/delivery-status into blocks; it reads
+    # message/global-delivery-status (RFC 6533) as one message whose body
+    # holds the blocks after the first.
+    if len(blocks) == 1 and isinstance(blocks[0].get_payload(), str):
+        blocks += _split_blocks(blocks[0].get_payload().encode("utf-8", "surrogateescape"))
+    return blocks
+
+
+def _split_blocks(text):
+    """Header blocks separated by blank lines, as Messages."""
+    return [email.message_from_bytes(block)
+            for block in re.split(rb"\r?\n[ \t]*\r?\n", text) if block.strip()]
+
+
+def _returned_message(msg):
+    """The original message a bounce or complaint returns (its headers at
+    least), as a Message, else None."""
+    for part in _parts(msg):
+        kind = part.get_content_type()
+        if kind in ("message/rfc822", "message/global") and part.is_multipart():
+            return part.get_payload(0)
+        if kind in ("text/rfc822-headers", "message/rfc822-headers", "message/global-headers",
+                    "message/rfc822", "message/global"):
+            return email.message_from_bytes(part.get_payload(decode=True) or b"")
+    # Plain-text bounces (qmail, Exim, Yahoo) append the original after a line
+    # such as "--- Below this line is a copy of the message."
+    for part in _parts(msg):
+        if part.get_content_type() != "text/plain":
+            continue
+        text = (part.get_payload(decode=True) or b"").decode("utf-8", "replace")
+        separator = _COPY_SEPARATOR.search(text)
+        if separator:
+            original = email.message_from_string(
+                text[separator.end():].split("\n", 1)[-1].lstrip("\r\n"))
+            if original.keys():
+                return original
+    return None
+
+
+def _find_verp(secret, msg, blocks, original):
+    """The outbox id of the first valid VERP address where our envelope sender
+    can appear: the bounce's own headers, the report's fields, the original's."""
+    values = [value for name in _ENVELOPE_HEADERS for value in msg.get_all(name, [])]
+    values += [block.get(name) for block in blocks for name in _SENDER_FIELDS]
+    if original is not None:
+        values += original.get_all("Return-Path", [])
+    for value in values:
+        for candidate in _VERP_IN_TEXT.findall(_mail_text(value)):
+            outbox = read_verp(secret, candidate)
+            if outbox is not None:
+                return outbox
+    return None
+
+
+def _original_recipient(original):
+    if original is None:
+        return None
+    for name in ("X-HmXmrOriginalRecipient", "To"):
+        for _, address in email.utils.getaddresses([_mail_text(v) for v in original.get_all(name, [])]):
+            if _normalize_email(address):
+                return _normalize_email(address)
+    return None
+
+
+def _feedback_report(msg, original):
+    """(type, email, reason) of an RFC 5965 ARF report, else None."""
+    for part in _parts(msg):
+        if part.get_content_type() != "message/feedback-report":
+            continue
+        fields = email.message.Message()
+        for block in _field_blocks(part):
+            for name, value in block.items():
+                fields[name] = value
+        feedback = _mail_text(fields.get("Feedback-Type")).lower() or "unknown"
+        if feedback not in ("abuse", "fraud"):
+            return "none", None, f"feedback report of type {feedback}, not a complaint"
+        address = (_report_address(fields.get("Original-Rcpt-To"))
+                   or _report_address(fields.get("Removal-Recipient"))
+                   or _original_recipient(original))
+        agent = _mail_text(fields.get("User-Agent"))
+        return "complaint", address, _short(f"{feedback} report" + (f" by {agent}" if agent else ""))
+    return None
+
+
+def _joined_reply(text):
+    """A multi-line SMTP reply as one: '550-5.1.1 a 550-5.1.1 b' -> '550 5.1.1 a b'."""
+    reply = re.match(r"([45][0-9][0-9])[ -]([245]\.[0-9]{1,3}\.[0-9]{1,3} )?", text)
+    if reply is None:
+        return text
+    continuation = re.compile(rf"\s{reply[1]}[ -]{re.escape(reply[2] or '')}")
+    return f"{reply[1]} {reply[2] or ''}" + continuation.sub(" ", text[reply.end():])
+
+
+def _delivery_status(blocks):
+    """(type, email, reason) of the recipients an RFC 3464 report says failed
+    or were delayed (a hard failure first), else None."""
+    found, delivered = [], False
+    for block in blocks:
+        action = _mail_text(block.get("Action")).lower()
+        if action.startswith(("failed", "failure", "error")):
+            failed = True
+        elif action.startswith("delayed"):
+            failed = False
+        else:
+            delivered = delivered or action.startswith(("delivered", "relayed", "expanded"))
+            continue
+        status = _STATUS_CODE.search(_mail_text(block.get("Status")))
+        klass = status[1] if status else ("5" if failed else "4")
+        kind = {"5": "hard", "4": "soft"}.get(klass, "hard" if failed else "soft")
+        address = (_report_address(block.get("Original-Recipient"))
+                   or _report_address(block.get("Final-Recipient")))
+        diagnostic = _mail_text(block.get("Diagnostic-Code"))
+        if re.match(r"[A-Za-z0-9-]+\s*;", diagnostic):
+            diagnostic = _joined_reply(diagnostic.split(";", 1)[1].strip())
+        reason = diagnostic or (f"status {status[0]}" if status else f"action {action or 'failed'}")
+        found.append((kind, address, _short(reason)))
+    if found:
+        return next((item for item in found if item[0] == "hard"), found[0])
+    if delivered:
+        return "none", None, "a delivery report of a successful delivery"
+    return None
+
+
+def _sender_is_daemon(msg):
+    sender = email.utils.parseaddr(_mail_text(msg.get("From")))[1]
+    return sender.partition("@")[0].lower() in _DAEMON_SENDERS
+
+
+def _auto_reply(msg):
+    """(type, email, reason) 'none' for an automatic answer by a person's
+    mailbox (vacation, out-of-office, autoresponders), else None."""
+    if _sender_is_daemon(msg) or msg.get("X-Failed-Recipients"):
+        return None
+    auto_submitted = _mail_text(msg.get("Auto-Submitted")).lower()
+    precedence = _mail_text(msg.get("Precedence") or msg.get("X-Precedence")).lower()
+    if ((auto_submitted and not auto_submitted.startswith("no"))
+            or any(msg.get(name) for name in ("X-Autoreply", "X-Autorespond", "X-Autoresponder"))
+            or precedence.startswith("auto_reply")
+            or _AUTO_REPLY_SUBJECT.match(_mail_text(msg.get("Subject")))):
+        return "none", None, "an automatic reply (vacation or out of office), not a bounce"
+    return None
+
+
+def _body_reason(msg):
+    """The first body line that quotes an SMTP reply or a status code."""
+    for part in _parts(msg):
+        if part.get_content_maintype() != "text":
+            continue
+        text = (part.get_payload(decode=True) or b"").decode("utf-8", "replace")
+        for line in text.splitlines():
+            if _STATUS_CODE.search(line) or _SMTP_REPLY.match(line.strip()):
+                return _short(line)
+    return None
+
+
+def _detected_failures(msg, original):
+    """(type, email, reason) from GNU Mailman's flufl.bounce detectors, else None."""
+    # flufl.bounce 6.0's Yale detector raises IndexError on a message without
+    # a From address, which would keep the detectors after it from running.
+    if not any(address for _, address in email.utils.getaddresses([_mail_text(msg.get("From"))])):
+        return None
+    try:
+        temporary, permanent = flufl.bounce.all_failures(msg)
+    except Exception:  # a detector's bug must not hide the VERP fallback
+        log.debug("flufl.bounce failed on a message", exc_info=True)
+        return None
+    addresses = permanent or temporary
+    if not addresses:
+        return None
+    decoded = sorted(filter(None, (_normalize_email(a.decode("ascii", "replace")) for a in addresses)))
+    expected = _original_recipient(original)
+    address = expected if expected in decoded else (decoded[0] if decoded else None)
+    kind = "hard" if permanent else "soft"
+    return kind, address, _body_reason(msg) or f"{'permanent' if permanent else 'temporary'} failure"
+
+
+def _verp_bounce(msg):
+    """(type, email, reason) of a message at a VERP address that no parser
+    understood but that says it is a delivery failure, else None."""
+    subject = _mail_text(msg.get("Subject"))
+    # Bounces are sent with the null envelope sender (RFC 5321 section 4.5.5).
+    null_sender = msg.get("Return-Path") is not None and _mail_text(msg.get("Return-Path")) in ("<>", "")
+    if not (_sender_is_daemon(msg) or null_sender or _BOUNCE_SUBJECT.search(subject)):
+        return None
+    reason = _body_reason(msg)
+    status = _STATUS_CODE.search(reason or "")
+    kind = "soft" if status and status[1] == "4" else "hard"
+    return kind, None, reason or _short(subject or "a delivery failure at the VERP address")
+
+
+def _no_bounce(reason):
+    return {"type": "none", "email": None, "outbox": None, "message_id": None, "reason": reason}
+
+
+def _classify(raw, secret):
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")
+    raw = bytes(raw[:BOUNCE_MAX_BYTES])
+    if (raw.lower().count(b"multipart/") > BOUNCE_MAX_CONTAINERS
+            or raw.count(b"\n--") + raw.count(b"\r--") > BOUNCE_MAX_DELIMITERS):
+        return _no_bounce("more MIME parts than a bounce has")
+    # The compat32 policy, as flufl.bounce expects; it never raises on bad headers.
+    msg = email.message_from_bytes(raw)
+    # flufl.bounce's detectors call str methods on headers, which compat32
+    # gives as Header objects when they hold 8-bit bytes: they read text.
+    head = email.message_from_string(raw[:BOUNCE_SCAN_BYTES].decode("utf-8", "replace"))
+    original = _returned_message(msg)
+    blocks = [block for part in _parts(msg)
+              if part.get_content_type() in ("message/delivery-status", "message/global-delivery-status",
+                                             "message/feedback-report")
+              for block in _field_blocks(part)]
+    outbox = _find_verp(secret, msg, blocks, original) if secret else None
+    found = (_feedback_report(msg, original) or _delivery_status(blocks) or _auto_reply(msg)
+             or _detected_failures(head, original) or (outbox is not None and _verp_bounce(msg))
+             or ("none", None, "not a bounce or a complaint"))
+    kind, address, reason = found
+    if address is None and kind != "none":
+        address = _original_recipient(original)
+    # The original's Message-ID, else where reports and replies repeat it.
+    message_id = _message_id(original.get("Message-ID")) if original is not None else None
+    for value in [block.get("X-Original-Message-ID") for block in blocks] + [msg.get("In-Reply-To")]:
+        message_id = message_id or _message_id(value)
+    return {"type": kind, "email": address, "outbox": outbox, "message_id": message_id,
+            "reason": reason}
+
+
+def classify_bounce(raw, secret=None):
+    """What a bounce or complaint email says, as a dict:
+
+    ``type`` 'hard' (a 5.x.x failure), 'soft' (4.x.x: delayed, or given up on
+    a temporary failure), 'complaint' (an ARF abuse or fraud report) or 'none'
+    (anything else: auto-replies, out-of-office, delivery successes, human
+    mail, unreadable bytes); ``email`` the recipient the report names
+    (Original-Recipient, else Final-Recipient; for complaints Original-Rcpt-To,
+    else the returned message's headers) or None; ``outbox`` the outbox id of
+    a VERP address signed with ``secret`` or None (when set, it is the better
+    answer to "who": the report's address may be a forwarding target);
+    ``message_id`` the original's Message-ID (from the returned message, else
+    the report, else In-Reply-To) or None; ``reason`` a short text.  Never
+    raises: any bytes give an answer.
+
+    :param raw: the whole message as bytes (str is taken as UTF-8).
+    :param secret: the service's signing secret, to read VERP addresses.
+    """
+    try:
+        return _classify(raw, secret)
+    except Exception:  # a message no parser can read is no bounce
+        log.warning("a bounce message could not be read; taken as no bounce", exc_info=True)
+        return _no_bounce("the message could not be read")
+
+
+class MailboxError(Exception):
+    """The bounce mailbox could not be reached, logged in to or opened."""
+
+
+def _imap_connect(host, port, use_ssl, timeout, ssl_context):
+    if use_ssl:
+        return imaplib.IMAP4_SSL(host, port, ssl_context=ssl_context or ssl.create_default_context(),
+                                 timeout=timeout)
+    return imaplib.IMAP4(host, port, timeout=timeout)
+
+
+def _imap_ok(response, what):
+    status, data = response
+    if status != "OK":
+        detail = b" ".join(item for item in data if isinstance(item, bytes)).decode("utf-8", "replace")
+        raise MailboxError(f"IMAP {what} failed: {detail or status}")
+    return data
+
+
+def _imap_fetch(imap, uid, item):
+    """``(response line, literal or None)`` of one FETCH item of message ``uid``."""
+    data = _imap_ok(imap.uid("FETCH", uid, f"({item})"), f"fetch of message {uid.decode()}")
+    for entry in data:
+        if isinstance(entry, tuple):
+            return entry[0], entry[1]
+    return b" ".join(entry for entry in data if isinstance(entry, bytes)), None
+
+
+def _imap_quote(folder):
+    """A folder name as an IMAP quoted string (ASCII names; MailboxError else)."""
+    if not folder or not folder.isascii() or any(c in folder for c in "\r\n\0"):
+        raise MailboxError(f"the folder name {folder!r} is not a plain ASCII IMAP name")
+    return '"' + folder.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def read_bounce_mailbox(host, port, user, password, *, folder="INBOX", ssl=False, handle,
+                        timeout=30, ssl_context=None, max_messages=MAILBOX_MAX_MESSAGES,
+                        max_bytes=MAILBOX_MAX_BYTES):
+    """Read a bounce mailbox over IMAP: every message is passed to
+    ``handle(raw_bytes)``; those it returns True for are deleted (flagged
+    ``\\Deleted``, expunged at the end), the others are left and logged.
+
+    Raises MailboxError when the server cannot be reached, refuses the login
+    or has no such folder.  Returns ``{"processed": n, "left": n}``, where
+    ``left`` counts the messages that stay in the folder.
+
+    :param handle: a callable given the raw message; True when processed.  An
+        exception it raises leaves the message and is logged.
+    :param ssl: IMAPS (TLS from the start) instead of plain IMAP.
+    :param timeout: seconds any one network operation may take.
+    :param ssl_context: for IMAPS; default: the system's trusted CAs.
+    :param max_messages: at most this many messages are read in one run.
+    :param max_bytes: larger messages are left in the mailbox unread.
+    """
+    try:
+        imap = _imap_connect(host, port, ssl, timeout, ssl_context)
+    except (OSError, imaplib.IMAP4.error) as exc:
+        raise MailboxError(f"cannot reach the IMAP server {host}:{port}: {exc}") from exc
+    processed = left = 0
+    try:
+        try:
+            imap.login(user, password)
+        except (imaplib.IMAP4.error, UnicodeError) as exc:   # IMAP LOGIN takes ASCII only
+            raise MailboxError(f"the IMAP server {host}:{port} refused the login of {user!r}: "
+                               f"{exc}") from exc
+        _imap_ok(imap.select(_imap_quote(folder)), f"select of folder {folder!r}")
+        uids = _imap_ok(imap.uid("SEARCH", None, "UNDELETED"), "search")[0].split()
+        left = max(0, len(uids) - max_messages)
+        for uid in uids[:max_messages]:
+            if _handle_one(imap, uid, handle, max_bytes):
+                _imap_ok(imap.uid("STORE", uid, "+FLAGS.SILENT", r"(\Deleted)"),
+                         f"deletion of message {uid.decode()}")
+                processed += 1
+            else:
+                left += 1
+        # Also removes what a run that failed before its end had flagged.
+        _imap_ok(imap.expunge(), "expunge")
+        imap.close()
+    except (OSError, imaplib.IMAP4.error) as exc:
+        raise MailboxError(f"the IMAP session with {host}:{port} failed: {exc}") from exc
+    finally:
+        with contextlib.suppress(OSError, imaplib.IMAP4.error):
+            imap.logout()
+    log.info("bounce mailbox %s@%s:%s/%s: %d processed, %d left", user, host, port, folder,
+             processed, left)
+    return {"processed": processed, "left": left}
+
+
+def _handle_one(imap, uid, handle, max_bytes):
+    """Whether ``handle`` processed the message with ``uid``."""
+    match = re.search(rb"RFC822\.SIZE (\d+)", _imap_fetch(imap, uid, "RFC822.SIZE")[0])
+    if match and int(match[1]) > max_bytes:
+        log.warning("bounce mailbox: message %s is %s bytes, more than %d; left unread",
+                    uid.decode(), match[1].decode(), max_bytes)
+        return False
+    raw = _imap_fetch(imap, uid, "BODY.PEEK[]")[1]
+    if raw is None:
+        log.warning("bounce mailbox: message %s has no body; left", uid.decode())
+        return False
+    try:
+        done = handle(raw)
+    except Exception:  # one bad message must not stop the run
+        log.exception("bounce mailbox: message %s could not be handled; left", uid.decode())
+        return False
+    if not done:
+        log.warning("bounce mailbox: message %s was not understood; left", uid.decode())
+    return bool(done)
 
 
 # ---------------------------------------------------------------------------

@@ -223,3 +223,25 @@ def seed_campaign(db):
                 "message": message, "outbox": outbox}
 
     return seed
+
+
+@pytest.fixture(scope="session")
+def dovecot_server():
+    """One throwaway dovecot IMAP server for the session (tests/dovecot.py).
+    Skipped where dovecot is not installed, except in CI, where that fails."""
+    from dovecot import DOVECOT, IMAP_BINARY, Dovecot
+
+    for path in (DOVECOT, IMAP_BINARY):
+        if not os.path.exists(path):
+            if os.environ.get("CI"):
+                pytest.fail(f"{path} is missing; .ci/run installs dovecot-imapd")
+            pytest.skip(f"{path} is missing (apt-get install dovecot-imapd)")
+    with Dovecot() as server:
+        yield server
+
+
+@pytest.fixture
+def dovecot(dovecot_server):
+    """The session's IMAP server with an empty INBOX."""
+    dovecot_server.empty()
+    return dovecot_server
