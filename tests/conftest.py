@@ -1,8 +1,8 @@
 """Fixtures: an app on a temporary SQLite file, a WebTest client, keys."""
 
 import contextlib
-import itertools
 import os
+import signal
 import threading
 
 import pytest
@@ -244,18 +244,27 @@ if TEST_ENGINE not in ("sqlite", "postgresql"):
 @pytest.fixture(scope="session")
 def pg_cluster():
     """A throwaway PostgreSQL cluster for the session (tests/pgcluster.py),
-    stopped at its end, also when tests fail or are interrupted (atexit)."""
+    stopped at its end, also when tests fail or are interrupted (Ctrl-C,
+    SIGTERM; atexit as the last resort)."""
     from pgcluster import PgCluster, pg_bindir
 
     if not pg_bindir():
         if os.environ.get("CI") or TEST_ENGINE == "postgresql":
             pytest.fail("PostgreSQL is missing; .ci/run installs it (apt-get install postgresql)")
         pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # SIGTERM ends Python without finalizers or atexit; as an interrupt
+        # it stops the cluster like Ctrl-C does.
+        signal.signal(signal.SIGTERM, _interrupted)
     cluster = PgCluster().start()
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="session")
@@ -267,21 +276,11 @@ def pg_admin(pg_cluster):
         yield conn
 
 
-_pg_numbers = itertools.count(1)
-
-
 @pytest.fixture
-def pg_db(pg_cluster, pg_admin):
-    """The URL of a new, empty PostgreSQL database, dropped after the test.
-
-    Copied from template0 by file copy (12 ms on an idle machine, against
-    25 ms for the default WAL-logged copy)."""
-    name = f"test_{os.getpid()}_{next(_pg_numbers)}"
-    pg_admin.execute(f"CREATE DATABASE {name} TEMPLATE template0 STRATEGY FILE_COPY")
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        pg_admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+def pg_db(pg_cluster):
+    """The URL of a new, empty PostgreSQL database, dropped after the test."""
+    with pg_cluster.database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -294,10 +293,20 @@ def engine_db(request, tmp_path):
         yield str(tmp_path / "engine.db")
 
 
+@pytest.fixture
+def same_engine_db(engine_db, request, tmp_path):
+    """A second new, empty database on engine_db's engine."""
+    if engine_db.startswith("postgresql://"):
+        with request.getfixturevalue("pg_cluster").database() as url:
+            yield url
+    else:
+        yield str(tmp_path / "second.db")
+
+
 @pytest.fixture(scope="session")
 def pg_pool(pg_cluster, pg_admin):
-    """Databases made ahead in the background, copies of one that init_db
-    made once (schema, no rows)."""
+    """Databases with the schema and no rows, copies of one that init_db
+    made once, emptied after each test for the next (tests/pgcluster.py)."""
     from pgcluster import DatabasePool
 
     pg_admin.execute("CREATE DATABASE campaignapi_template TEMPLATE template0")
@@ -311,12 +320,12 @@ def pg_pool(pg_cluster, pg_admin):
 
 @pytest.fixture
 def pg_schema_db(pg_cluster, pg_pool):
-    """The URL of a new PostgreSQL database with the schema and no rows.
+    """The URL of a PostgreSQL database with the schema and no rows.
 
-    Not an empty one, for speed: with other work on the machine a new
-    database costs 15-300 ms to copy and init_db 110 ms more to fill; copies
-    of a filled template made ahead cost a test nothing.  The tests of schema
-    creation and migration take pg_db, which is empty."""
+    Not a new, empty one, for speed: with other work on the machine copying
+    a database costs 15-300 ms and init_db 110 ms more to fill it; emptying a
+    used one costs a few.  Tests of schema creation and migration take
+    pg_db, which is new and empty."""
     name = pg_pool.take()
     try:
         yield pg_cluster.url(name)
