@@ -89,6 +89,9 @@ def test_lastrowid_and_explicit_ids(conn):
     # A lower free id is taken as given and does not move the next one back.
     assert _account(conn, "low@example.com", id=7) == 7
     assert _account(conn, "after@example.com") == 42
+    # Several rows in one INSERT: the last one's id, as in SQLite.
+    assert conn.execute("INSERT INTO account (email) VALUES (?), (?)",
+                        ("x@example.com", "y@example.com")).lastrowid == 44
 
 
 def test_rowcount_and_executemany(conn):
@@ -215,6 +218,26 @@ def test_spellings_mean_the_same_on_both_engines(conn):
     joined = _one(conn, "{} FROM account".format(sql["group_concat"].format(expr="email",
                                                                            sep="','")))
     assert sorted(joined.split(",")) == ["a@example.com", "b@example.com"]
+
+
+def test_row_locks(engine_db, conn):
+    """A claim's SELECT takes the rows no other transaction holds; on SQLite
+    the whole database is the lock (BEGIN IMMEDIATE), so the spellings are
+    empty there."""
+    for email in ("a@example.com", "b@example.com"):
+        _account(conn, email)
+    claim = "SELECT id FROM account ORDER BY id LIMIT 1 " + conn.sql["skip_locked"]
+    with campaignapi.transaction(conn):
+        assert conn.execute(claim).fetchone()[0] == 1
+        assert conn.execute("SELECT id FROM account WHERE id = 2 "
+                            + conn.sql["for_update"]).fetchone()[0] == 2
+        if conn.engine == "postgresql":
+            other = campaignapi.connect(engine_db)
+            try:
+                with campaignapi.transaction(other):
+                    assert other.execute(claim).fetchall() == []   # both rows held
+            finally:
+                other.close()
 
 
 def test_portable_spellings(conn):
