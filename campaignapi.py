@@ -199,9 +199,10 @@ SQL = {
         "json_set": "json_set({json}, '$.\"{key}\"', json({value}))",
         # RFC 7396 merge: a null in the patch removes the key.
         "json_merge": "json_patch({json}, {patch})",
-        # The elements of a JSON array (given as text) as a one-column SELECT.
+        # The elements of a JSON array (given as text) as a one-column SELECT:
+        # ids, or addresses for ``email IN (...)`` (compared NOCASE).
         "json_ids": "SELECT value FROM json_each({array})",
-        "json_texts": "SELECT value FROM json_each({array})",
+        "json_addresses": "SELECT value FROM json_each({array})",
         # After a SELECT whose rows the transaction will change: SQLite's
         # BEGIN IMMEDIATE already excludes every other writer.
         "for_update": "",
@@ -224,7 +225,8 @@ SQL = {
         "json_merge": "CAST(jsonb_strip_nulls(CAST({json} AS jsonb) || CAST({patch} AS jsonb))"
                       " AS text)",
         "json_ids": "SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
-        "json_texts": "SELECT value FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
+        "json_addresses": "SELECT CAST(value AS citext) "
+                          "FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
         # Make a due batch once: the second worker waits, then sees it made.
         "for_update": "FOR UPDATE",
         # Claim outbox rows: each worker takes rows no other has locked.
