@@ -187,7 +187,8 @@ class InvalidData(ApiError):
 
 
 # ---------------------------------------------------------------------------
-# Database: one connect(), one transaction() helper, the schema.
+# Database: the engines (SQLite, PostgreSQL), one connect(), one transaction()
+# helper, the SQL spellings that differ, the schema and its migrations.
 # ---------------------------------------------------------------------------
 
 PRAGMAS = (
@@ -197,17 +198,91 @@ PRAGMAS = (
     ("busy_timeout", "30000"),     # writers queue instead of failing 'locked'
 )
 
+#: The few SQL spellings that differ between the engines, as format strings
+#: with named slots, each used once (so a slot may be ``?``), so the rest is
+#: written once:
+#: ``conn.sql["contains"].format(haystack="lower(r.email)", needle="?")``.
+#: Written once for both instead: ``a IS NOT DISTINCT FROM ?`` (not ``IS ?``),
+#: ``INSERT ... ON CONFLICT DO NOTHING`` (not ``INSERT OR IGNORE``),
+#: ``count(*) FILTER (WHERE ...)``, ``WITH x AS MATERIALIZED (...)``,
+#: ``(1 = 1)`` and ``(1 = 0)`` for a constant WHERE.  JSON stays TEXT on both
+#: engines (see _pg_schema); ``key`` is a field id from our own tables.
+SQL = {
+    "sqlite": {
+        "begin": "BEGIN IMMEDIATE",        # the write lock up front (see transaction())
+        "now": "datetime('now')",
+        "temp": "temp",                    # the schema of temporary tables
+        "nocase": "{expr} COLLATE NOCASE",
+        "contains": "instr({haystack}, {needle}) > 0",
+        "group_concat": "group_concat({expr}, {sep})",
+        # A top-level key of a JSON object: typed (a number compares as one).
+        "json_value": "json_extract({json}, '$.\"{key}\"')",
+        "json_number": "json_extract({json}, '$.\"{key}\"')",
+        # json_set with the value given as JSON text: json() keeps its type.
+        "json_set": "json_set({json}, '$.\"{key}\"', json({value}))",
+        # RFC 7396 merge: a null in the patch removes the key.
+        "json_merge": "json_patch({json}, {patch})",
+        # The elements of a JSON array (given as text) as a one-column SELECT:
+        # ids, or addresses for ``email IN (...)`` (compared NOCASE).
+        "json_ids": "SELECT value FROM json_each({array})",
+        "json_addresses": "SELECT value FROM json_each({array})",
+        # After a SELECT whose rows the transaction will change: SQLite's
+        # BEGIN IMMEDIATE already excludes every other writer.
+        "for_update": "",
+        "skip_locked": "",
+    },
+    "postgresql": {
+        "begin": "BEGIN",                  # concurrency from row locks, not a database lock
+        "now": "to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')",
+        "temp": "pg_temp",
+        "nocase": "CAST({expr} AS citext)",
+        "contains": "strpos({haystack}, {needle}) > 0",
+        "group_concat": "string_agg({expr}, {sep})",
+        "json_value": "(CAST({json} AS jsonb) ->> '{key}')",
+        "json_number": "CAST(jsonb_path_query_first(CAST({json} AS jsonb), "
+                       "'$.\"{key}\" ? (@.type() == \"number\")') AS numeric)",
+        "json_set": "CAST(jsonb_set(CAST({json} AS jsonb), '{{{key}}}', CAST({value} AS jsonb))"
+                    " AS text)",
+        # The patches we write are flat objects, so stripping nulls after the
+        # merge is RFC 7396's removal.
+        "json_merge": "CAST(jsonb_strip_nulls(CAST({json} AS jsonb) || CAST({patch} AS jsonb))"
+                      " AS text)",
+        "json_ids": "SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
+        "json_addresses": "SELECT CAST(value AS citext) "
+                          "FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
+        # Make a due batch once: the second worker waits, then sees it made.
+        "for_update": "FOR UPDATE",
+        # Claim outbox rows: each worker takes rows no other has locked.
+        "skip_locked": "FOR UPDATE SKIP LOCKED",
+    },
+}
 
-#: What a broken constraint raises: the pipeline answers it 409, never 500.
+#: What a write that breaks a UNIQUE, FOREIGN KEY, NOT NULL or CHECK rule
+#: raises, on either engine: catch ``campaignapi.INTEGRITY_ERRORS`` (looked
+#: up when the error happens).  psycopg's class joins when connect() first
+#: imports psycopg, so SQLite users never pay for importing it.
 INTEGRITY_ERRORS = (sqlite3.IntegrityError,)
 
+_PG_URL = ("postgresql://", "postgres://")
+_PG_INSTALL = "pip install 'campaignapi[postgres]'"
 
-def connect(path):
-    """Open a connection to the database at ``path`` with the project's pragmas.
 
-    :param path: the SQLite file.
+def connect(db):
+    """Open a connection to ``db`` with the project's settings.
+
+    Both kinds of connection offer the sqlite3 subset this module uses
+    (``execute``, ``executemany``, ``cursor``, ``close``, ``in_transaction``,
+    rows by name and position, ``lastrowid`` of an INSERT into a table with an
+    ``id``) plus ``engine`` and ``sql`` (its row of :data:`SQL`).  Outside
+    transaction() every statement commits on its own.
+
+    :param db: the SQLite file, or a ``postgresql://`` URL (needs psycopg 3:
+        ``pip install 'campaignapi[postgres]'``).
     """
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+    if str(db).startswith(_PG_URL):
+        return _PgConnection(_pg_connect(str(db)))
+    conn = sqlite3.connect(db, timeout=30, isolation_level=None, check_same_thread=False,
+                           factory=_SqliteConnection)
     try:
         conn.row_factory = sqlite3.Row
         for name, value in PRAGMAS:
@@ -222,8 +297,10 @@ def connect(path):
 def transaction(conn):
     """Run the block as one transaction (a savepoint when already in one).
 
-    ``BEGIN IMMEDIATE`` takes the write lock up front, so two writers queue on
-    busy_timeout instead of failing halfway with 'database is locked'.
+    On SQLite ``BEGIN IMMEDIATE`` takes the write lock up front, so two
+    writers queue on busy_timeout instead of failing halfway with 'database is
+    locked'.  On PostgreSQL a plain ``BEGIN``: writers that must not overlap
+    lock the rows they change.
     """
     if conn.in_transaction:
         name = "sp_" + secrets.token_hex(4)
@@ -236,13 +313,397 @@ def transaction(conn):
             raise
         conn.execute(f"RELEASE {name}")
         return
-    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(conn.sql["begin"])
     try:
         yield conn
     except BaseException:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+class _SqliteConnection(sqlite3.Connection):
+    """sqlite3's connection with the engine's name, spellings and schema steps."""
+
+    engine = "sqlite"
+    sql = SQL["sqlite"]
+
+    def run_script(self, script):
+        """Run the statements of ``script`` one by one, inside the current
+        transaction (sqlite3's executescript() would commit it first)."""
+        for statement in _statements(script):
+            self.execute(statement)
+
+    def schema_script(self, script):
+        return script
+
+    def schema_version(self):
+        return self.execute("PRAGMA user_version").fetchone()[0]
+
+    def set_schema_version(self, version):
+        self.execute(f"PRAGMA user_version = {int(version)}")
+
+    @contextlib.contextmanager
+    def schema_change(self):
+        """One transaction for a schema change, foreign keys checked at its end.
+
+        Enforcement is off meanwhile (it cannot change inside a transaction):
+        a table rebuild drops the old table, which would otherwise cascade to
+        the rows that refer to it (``ON DELETE SET NULL``)."""
+        self.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with transaction(self):
+                yield self
+                broken = self.execute("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise RuntimeError(f"campaignapi: the schema change breaks foreign keys: "
+                                       f"{[tuple(row) for row in broken[:5]]}")
+        finally:
+            self.execute("PRAGMA foreign_keys = ON")
+
+
+def _statements(script):
+    """The SQL statements of a script, split where SQLite sees one end."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            yield statement.strip()
+            statement = ""
+    if statement.strip() and not statement.strip().startswith("--"):
+        yield statement.strip()
+
+
+def _rebuild_table(conn, table, create):
+    """Give the SQLite table ``table`` a new definition, keeping its rows.
+
+    SQLite's ALTER TABLE cannot change a CHECK, a type or a constraint, so a
+    migration step that must calls this inside ``schema_change()`` (the
+    procedure of https://sqlite.org/lang_altertable.html#otheralter): the new
+    table is made under another name, the columns both have are copied, the old
+    table is dropped, the new one renamed, and the old indexes and triggers
+    made again.  New columns take their defaults.
+
+    :param conn: a SQLite connection inside ``conn.schema_change()``.
+    :param table: the table's name (from our own schema, never request text).
+    :param create: the new ``CREATE TABLE [IF NOT EXISTS] <table> (...)`` statement.
+    """
+    new = f"{table}__new"
+    statement, found = re.subn(rf"^\s*CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?{table}\b",
+                               f"CREATE TABLE {new}", create, count=1, flags=re.I)
+    if not found:
+        raise ValueError(f"not a CREATE TABLE statement of {table}: {create[:60]!r}")
+    extras = [row[0] for row in conn.execute(
+        "SELECT sql FROM sqlite_master WHERE tbl_name = ? AND type IN ('index', 'trigger') "
+        "AND sql IS NOT NULL", (table,))]
+    conn.execute(statement)
+    old_columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+    new_columns = {row[1] for row in conn.execute(f"PRAGMA table_info({new})")}
+    shared = ", ".join(column for column in old_columns if column in new_columns)
+    conn.execute(f"INSERT INTO {new} ({shared}) SELECT {shared} FROM {table}")
+    conn.execute(f"DROP TABLE {table}")
+    conn.execute(f"ALTER TABLE {new} RENAME TO {table}")
+    for sql in extras:
+        conn.execute(sql)
+
+
+# PostgreSQL ------------------------------------------------------------------
+
+def _pg_connect(url):
+    try:
+        import psycopg
+    except ImportError:
+        raise RuntimeError(f"campaignapi: a postgresql:// database needs psycopg 3: "
+                           f"{_PG_INSTALL}") from None
+    global INTEGRITY_ERRORS
+    INTEGRITY_ERRORS = (sqlite3.IntegrityError, psycopg.IntegrityError)
+    return psycopg.connect(url, autocommit=True)
+
+
+class _PgRow:
+    """A row as sqlite3.Row offers it: ``row["name"]`` (any case), ``row[0]``,
+    slices, iteration, ``keys()``, ``dict(row)``."""
+
+    __slots__ = ("_values", "_names", "_index")
+
+    def __init__(self, values, names, index):
+        self._values, self._names, self._index = values, names, index
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            position = self._index.get(key)
+            if position is None:
+                position = self._index.get(key.lower())
+                if position is None:
+                    raise IndexError(f"No item with that key: {key!r}")
+            return self._values[position]
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __eq__(self, other):
+        if isinstance(other, _PgRow):
+            return self._names == other._names and self._values == other._values
+        return NotImplemented
+
+    __hash__ = None
+
+    def keys(self):
+        return list(self._names)
+
+    def __repr__(self):
+        return f"<row {dict(zip(self._names, self._values))!r}>"
+
+
+def _pg_row_factory(cursor):
+    names = tuple(column.name for column in cursor.description or ())
+    index = {}
+    for position, name in enumerate(names):   # the first of equal names wins, as in sqlite3
+        index.setdefault(name, position)
+    for position, name in enumerate(names):
+        index.setdefault(name.lower(), position)
+    return lambda values: _PgRow(values, names, index)
+
+
+# A statement's tokens that matter to the translation: literals, quoted
+# names and comments (copied, '%' doubled), '?' or '?NNN' placeholders, '%'.
+_PG_TOKEN = re.compile(r"""'(?:[^']|'')*'|"(?:[^"]|"")*"|--[^\n]*|/\*.*?\*/|\?(\d*)|%""",
+                       re.S)
+_PG_INSERT_VALUES = re.compile(r"\s*INSERT\s+INTO\s+(\w+)\b(?!.*\bRETURNING\b)(?!.*\bSELECT\b)"
+                               r".*\bVALUES\b", re.I | re.S)
+
+
+@functools.lru_cache(maxsize=2048)
+def _pg_statement(sql):
+    """``(text, order, returning, commit)``: ``sql`` with psycopg's placeholders.
+
+    ``order`` lists, per ``%s``, the index of its value among the sqlite3-style
+    parameters (SQLite's numbering: ``?NNN`` is value NNN, a bare ``?`` the one
+    after the highest so far), or None when they are already in order.
+    ``returning`` says that ``RETURNING id`` was added: a single-row INSERT
+    into a table with an ``id`` gives its id as the cursor's lastrowid, as in
+    SQLite (psycopg has no lastrowid).  ``commit`` says that it is a COMMIT.
+    """
+    order = []
+
+    def replace(match):
+        token = match[0]
+        if token == "%":
+            return "%%"
+        if token[0] != "?":
+            return token.replace("%", "%%")
+        order.append(int(match[1]) - 1 if match[1] else max(order, default=-1) + 1)
+        return "%s"
+
+    text = _PG_TOKEN.sub(replace, sql)
+    insert = _PG_INSERT_VALUES.match(sql)
+    returning = bool(insert) and insert[1].lower() in _pg_id_tables()
+    if returning:
+        text = text.rstrip().rstrip(";") + " RETURNING id"
+    return (text, None if order == list(range(len(order))) else tuple(order), returning,
+            sql.strip().upper() == "COMMIT")
+
+
+def _pg_params(params, order):
+    # psycopg sends a bool as boolean, which PostgreSQL will not compare with
+    # the INTEGER 0/1 flags; SQLite stores it as 1/0, so do the same.
+    if order is not None:
+        params = [params[index] for index in order]
+    return [int(value) if value.__class__ is bool else value for value in params]
+
+
+class _PgCursor:
+    """A psycopg cursor behind the sqlite3 cursor interface."""
+
+    def __init__(self, conn):
+        self.connection = conn
+        self.row_factory = _pg_row_factory   # None: plain tuples, as in sqlite3
+        self.lastrowid = None
+        self._cursor = conn.raw.cursor()
+
+    def _prepare(self):
+        import psycopg.rows
+
+        self._cursor.row_factory = self.row_factory or psycopg.rows.tuple_row
+
+    def execute(self, sql, params=()):
+        text, order, returning, commit = _pg_statement(sql)
+        self._prepare()
+        self._cursor.execute(text, _pg_params(params, order))
+        if returning:
+            rows = self._cursor.fetchall()
+            self.lastrowid = rows[-1][0] if rows else None
+        elif commit and self._cursor.statusmessage == "ROLLBACK":
+            # PostgreSQL ends a transaction in which a statement failed with a
+            # rollback, even when asked to commit: never report that as done.
+            import psycopg
+
+            raise psycopg.errors.InFailedSqlTransaction(
+                "the transaction was rolled back: a statement in it failed "
+                "(on PostgreSQL an error inside a transaction needs a savepoint to recover)")
+        return self
+
+    def executemany(self, sql, seq_of_params):
+        text, order, _, _ = _pg_statement(sql)
+        self._prepare()
+        self._cursor.executemany(text, [_pg_params(params, order) for params in seq_of_params])
+        return self
+
+    def fetchone(self):
+        return self._cursor.fetchone()
+
+    def fetchmany(self, size=1):
+        return self._cursor.fetchmany(size)
+
+    def fetchall(self):
+        return self._cursor.fetchall()
+
+    def __iter__(self):
+        return iter(self._cursor)
+
+    @property
+    def rowcount(self):
+        return self._cursor.rowcount
+
+    @property
+    def description(self):
+        return self._cursor.description
+
+    def close(self):
+        self._cursor.close()
+
+
+class _PgConnection:
+    """A psycopg 3 connection (autocommit) behind the sqlite3 interface the
+    module uses: ``?`` placeholders, rows like sqlite3.Row, lastrowid."""
+
+    engine = "postgresql"
+    sql = SQL["postgresql"]
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def execute(self, sql, params=()):
+        return _PgCursor(self).execute(sql, params)
+
+    def executemany(self, sql, seq_of_params):
+        return _PgCursor(self).executemany(sql, seq_of_params)
+
+    def cursor(self):
+        return _PgCursor(self)
+
+    @property
+    def in_transaction(self):
+        return self.raw.info.transaction_status != 0   # psycopg.pq.TransactionStatus.IDLE
+
+    def close(self):
+        self.raw.close()
+
+    def run_script(self, script):
+        """Run ``script`` (several statements, no parameters) as it is."""
+        self.raw.execute(script)
+
+    def schema_script(self, script):
+        return _pg_schema(script)
+
+    def schema_version(self):
+        if self.execute("SELECT to_regclass('campaignapi_schema')").fetchone()[0] is None:
+            return 0
+        row = self.execute("SELECT version FROM campaignapi_schema").fetchone()
+        return row[0] if row else 0
+
+    def set_schema_version(self, version):
+        self.execute("INSERT INTO campaignapi_schema (one, version) VALUES (TRUE, ?) "
+                     "ON CONFLICT (one) DO UPDATE SET version = excluded.version", (version,))
+
+    @contextlib.contextmanager
+    def schema_change(self):
+        """One transaction for a schema change; processes that start together
+        wait here for each other (a transaction-scoped advisory lock)."""
+        with transaction(self):
+            self.execute("SELECT pg_advisory_xact_lock(?)", (_PG_SCHEMA_LOCK,))
+            self.run_script(_PG_PREAMBLE)
+            yield self
+
+
+_PG_SCHEMA_LOCK = 0x63616d70   # 'camp': the advisory lock key of schema changes
+
+# What every PostgreSQL database of ours has besides schema.sql: citext for
+# the NOCASE columns, the version row, and the trigger that moves an id
+# sequence past an id inserted explicitly (create at a chosen id).
+_PG_PREAMBLE = """
+CREATE EXTENSION IF NOT EXISTS citext;
+CREATE TABLE IF NOT EXISTS campaignapi_schema (
+    one     BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
+    version INTEGER NOT NULL
+);
+CREATE OR REPLACE FUNCTION campaignapi_id_past() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.id > coalesce(pg_sequence_last_value(TG_ARGV[0]::regclass), 0) THEN
+        PERFORM setval(TG_ARGV[0]::regclass, NEW.id);
+    END IF;
+    RETURN NEW;
+END $$;
+"""
+
+
+def _pg_schema(script):
+    """schema.sql (or a migration's DDL) as PostgreSQL runs it.
+
+    schema.sql is written once, in SQLite's spelling; these words map:
+    ``id INTEGER PRIMARY KEY`` becomes a BIGINT identity column (explicit ids
+    still insert; a trigger moves the sequence past them), every other
+    ``INTEGER`` BIGINT (SQLite's are 64 bits), a ``TEXT`` column whose line
+    says ``COLLATE NOCASE`` citext (in a database with the C ctype it folds
+    ASCII only, like NOCASE), ``WITHOUT ROWID`` goes, ``datetime('now')``
+    becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
+    the same on both engines and the spellings cast it to jsonb where read.
+    """
+    lines, tables, current = [], [], None
+    for line in script.splitlines():
+        line = line.split("--", 1)[0].rstrip()    # no '--' inside the schema's strings
+        if "COLLATE NOCASE" in line:
+            line = re.sub(r"\bTEXT\b", "CITEXT", line).replace(" COLLATE NOCASE", "")
+        table = re.match(r"\s*CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?(\w+)", line, re.I)
+        if table:
+            current = table[1]
+        if current and re.match(r"\s*id\s+INTEGER\s+PRIMARY\s+KEY\b", line):
+            line = line.replace("INTEGER PRIMARY KEY",
+                                "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
+            tables.append(current)
+        line = re.sub(r"\bINTEGER\b", "BIGINT", line)
+        line = line.replace(") WITHOUT ROWID;", ");")
+        line = line.replace("datetime('now')", SQL["postgresql"]["now"])
+        lines.append(line)
+    for table in tables:
+        lines.append(f"CREATE OR REPLACE TRIGGER {table}_id_past BEFORE INSERT ON {table} "
+                     f"FOR EACH ROW EXECUTE FUNCTION campaignapi_id_past('{table}_id_seq');")
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _pg_id_tables():
+    """The tables of schema.sql that have an ``id INTEGER PRIMARY KEY``."""
+    with open(_schema_path(), encoding="utf-8") as file:
+        return frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \(\s*id\s+INTEGER PRIMARY KEY",
+                                    file.read()))
+
+
+# Schema and migrations --------------------------------------------------------
+
+#: The steps from one schema version to the next, in order: ``(version,
+#: step)`` brings a database at ``version - 1`` to ``version``.  A step is SQL
+#: in schema.sql's spelling (run on both engines; mapped for PostgreSQL like
+#: the schema), a function ``step(conn)``, or a dict of either per engine
+#: (``{"sqlite": lambda conn: _rebuild_table(conn, ...), "postgresql": "ALTER
+#: TABLE ..."}``).  All steps run in one transaction; then schema.sql runs
+#: again, so new tables and indexes need no step.  Today's schema is
+#: version 1 (SCHEMA_VERSION) and has no steps yet.
+MIGRATIONS = ()
 
 
 def _schema_path():
@@ -262,25 +723,50 @@ def _schema_path():
     raise RuntimeError("campaignapi: schema.sql is not installed beside campaignapi.py")
 
 
-def init_db(path):
-    """Apply the schema to the database at ``path`` unless it is current.
+def init_db(db):
+    """Make the database at ``db`` current: a new one gets schema.sql, an
+    older one the MIGRATIONS steps after its version, in one transaction.
 
-    An existing database keeps its data: every statement of schema.sql is
-    ``IF NOT EXISTS``.  A database made by a newer version is refused.
+    An existing database keeps its data.  A database made by a newer version
+    is refused.  Processes that start at once take turns.
+
+    :param db: the SQLite file or a ``postgresql://`` URL (see connect()).
     """
-    conn = connect(path)
+    conn = connect(db)
     try:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"{path} has schema version {version}; this campaignapi knows {SCHEMA_VERSION}")
-        if version < SCHEMA_VERSION:
-            with open(_schema_path(), encoding="utf-8") as f:
-                script = f.read()
-            conn.executescript(f"BEGIN IMMEDIATE;\n{script}\n"
-                               f"PRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
+        if conn.schema_version() == SCHEMA_VERSION:
+            return
+        with open(_schema_path(), encoding="utf-8") as f:
+            script = f.read()
+        with conn.schema_change():
+            _migrate(conn, script, SCHEMA_VERSION, MIGRATIONS)
     finally:
         conn.close()
+
+
+def _migrate(conn, script, target, migrations):
+    """Bring ``conn`` (inside its schema_change()) to version ``target``.
+
+    :param script: the schema of version ``target`` (schema.sql's text).
+    :param migrations: ``(version, step)`` pairs as in MIGRATIONS.
+    """
+    version = conn.schema_version()     # again: another process may have done it
+    if version > target:
+        raise RuntimeError(f"the database has schema version {version}; "
+                           f"this campaignapi knows {target}")
+    if version == target:
+        return
+    if version:   # 0: a new database, made by schema.sql alone
+        for number, step in migrations:
+            if number > version:
+                if isinstance(step, dict):
+                    step = step[conn.engine]
+                if callable(step):
+                    step(conn)
+                else:
+                    conn.run_script(conn.schema_script(step))
+    conn.run_script(conn.schema_script(script))
+    conn.set_schema_version(target)
 
 
 def _now():

@@ -1,0 +1,267 @@
+-- campaignapi schema, version 1: a frozen copy of schema.sql as it was when
+-- versioned migrations came (tests/test_migrations.py upgrades it).
+--
+-- Original header:
+--
+-- Applied by campaignapi.create_app() to a new database; every statement is
+-- idempotent (IF NOT EXISTS), so applying it to an existing database keeps its
+-- data.  The version lives in PRAGMA user_version, set by the code after this
+-- script has run (see SCHEMA_VERSION in campaignapi.py).
+--
+-- Conventions: times are TEXT 'YYYY-MM-DD HH:MM:SS' in UTC, flags are INTEGER
+-- 0/1, lists that belong to one row are JSON TEXT.  Ids are INTEGER PRIMARY KEY
+-- so that "create at a chosen free id" is a plain INSERT with that id.
+-- The tables written row by row in bulk (recipient, outbox) spell their
+-- CHECK lists with OR: for `x IN (a, b, c)` SQLite builds a temporary table
+-- again for every row an executemany writes, which doubled an import's cost.
+
+-- Key/value settings of this installation (the app secret for signed tokens).
+CREATE TABLE IF NOT EXISTS setting (
+    name  TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS account (
+    id      INTEGER PRIMARY KEY,
+    email   TEXT NOT NULL UNIQUE COLLATE NOCASE,
+    created TEXT NOT NULL DEFAULT (datetime('now'))
+);
+
+-- Only the SHA-256 of a secret is kept; secrets carry 256 bits of randomness,
+-- so a slow password hash would add latency to every request and no safety.
+CREATE TABLE IF NOT EXISTS apikey (
+    id      INTEGER PRIMARY KEY,
+    account INTEGER NOT NULL REFERENCES account(id),
+    name    TEXT NOT NULL DEFAULT '',
+    levels  TEXT NOT NULL,                 -- comma-separated: read,write,create,delete
+    hash    TEXT NOT NULL UNIQUE,
+    created TEXT NOT NULL DEFAULT (datetime('now')),
+    expires TEXT,                          -- NULL: never
+    revoked INTEGER NOT NULL DEFAULT 0 CHECK (revoked IN (0, 1))
+);
+
+-- Addresses that must not receive an account's campaigns any more.  An
+-- unsubscribe replaces a bounce, never the other way round.
+CREATE TABLE IF NOT EXISTS suppression (
+    account  INTEGER NOT NULL REFERENCES account(id),
+    email    TEXT NOT NULL COLLATE NOCASE,
+    reason   TEXT NOT NULL CHECK (reason IN ('unsubscribed', 'bounced')),
+    campaign INTEGER,                      -- whose email led to it (archive counts); NULL: unknown
+    created  TEXT NOT NULL DEFAULT (datetime('now')),
+    PRIMARY KEY (account, email)
+) WITHOUT ROWID;
+
+-- Datasources ----------------------------------------------------------------
+
+CREATE TABLE IF NOT EXISTS datasource (
+    id          INTEGER PRIMARY KEY,
+    owner       INTEGER NOT NULL REFERENCES account(id),
+    name        TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    origin      TEXT NOT NULL DEFAULT 'api' CHECK (origin IN ('import', 'signup', 'api')),
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS datasource_owner ON datasource(owner, deleted);
+
+-- Recipient values live in recipient.data as a JSON object keyed by field id
+-- (not name), so renaming a field touches one row here and none there.
+CREATE TABLE IF NOT EXISTS field (
+    id         INTEGER PRIMARY KEY,
+    datasource INTEGER NOT NULL REFERENCES datasource(id),
+    name       TEXT NOT NULL COLLATE NOCASE,
+    type       TEXT NOT NULL CHECK (type IN ('text', 'integer', 'number', 'boolean',
+                                             'date', 'datetime', 'email')),
+    UNIQUE (datasource, name)
+);
+
+CREATE TABLE IF NOT EXISTS import (
+    id           INTEGER PRIMARY KEY,
+    datasource   INTEGER NOT NULL REFERENCES datasource(id),
+    name         TEXT NOT NULL DEFAULT '',
+    originalfile TEXT NOT NULL DEFAULT '',
+    uploadtype   TEXT NOT NULL CHECK (uploadtype IN ('csv', 'base64', 'json')),
+    status       TEXT NOT NULL DEFAULT 'finished',
+    rows         INTEGER NOT NULL DEFAULT 0,
+    inserted     INTEGER NOT NULL DEFAULT 0,
+    updated      INTEGER NOT NULL DEFAULT 0,
+    skipped      INTEGER NOT NULL DEFAULT 0,
+    errors       TEXT NOT NULL DEFAULT '[]',   -- JSON [{row, error}], the first 100
+    created      TEXT NOT NULL DEFAULT (datetime('now')),
+    finished     TEXT
+);
+CREATE INDEX IF NOT EXISTS import_datasource ON import(datasource);
+
+-- One row per address and datasource; the address is compared without case.
+CREATE TABLE IF NOT EXISTS recipient (
+    id         INTEGER PRIMARY KEY,
+    datasource INTEGER NOT NULL REFERENCES datasource(id),
+    email      TEXT NOT NULL COLLATE NOCASE,
+    data       TEXT NOT NULL DEFAULT '{}',      -- JSON {field id: value}
+    status     TEXT NOT NULL DEFAULT 'active'
+               CHECK (status = 'active' OR status = 'unsubscribed' OR status = 'bounced'),
+    import     INTEGER REFERENCES import(id) ON DELETE SET NULL,  -- the import that inserted it
+    created    TEXT NOT NULL DEFAULT (datetime('now')),
+    updated    TEXT NOT NULL DEFAULT (datetime('now')),
+    UNIQUE (datasource, email)
+);
+-- No index on email alone: lookups by address name the datasources
+-- (suppress() does, for all of an account's), so the unique index serves
+-- them, and a second index on a random key cost an import over 10%.
+CREATE INDEX IF NOT EXISTS recipient_status ON recipient(datasource, status);
+CREATE INDEX IF NOT EXISTS recipient_import ON recipient(import);
+
+CREATE TABLE IF NOT EXISTS export (
+    id         INTEGER PRIMARY KEY,
+    datasource INTEGER NOT NULL REFERENCES datasource(id),
+    status     TEXT NOT NULL DEFAULT 'running' CHECK (status IN ('running', 'finished', 'failed')),
+    rows       INTEGER NOT NULL DEFAULT 0,
+    token      TEXT NOT NULL UNIQUE,           -- the download link's secret part
+    path       TEXT,                           -- the stored CSV file
+    expires    TEXT NOT NULL,
+    created    TEXT NOT NULL DEFAULT (datetime('now')),
+    finished   TEXT
+);
+CREATE INDEX IF NOT EXISTS export_datasource ON export(datasource);
+
+CREATE TABLE IF NOT EXISTS organize (
+    id        INTEGER PRIMARY KEY,
+    item      INTEGER NOT NULL UNIQUE REFERENCES datasource(id),
+    folder    TEXT NOT NULL DEFAULT '',
+    sortorder INTEGER NOT NULL DEFAULT 0
+);
+
+-- Messages, segments, sender profiles -----------------------------------------
+
+CREATE TABLE IF NOT EXISTS message (
+    id          INTEGER PRIMARY KEY,
+    owner       INTEGER NOT NULL REFERENCES account(id),
+    name        TEXT NOT NULL DEFAULT '',
+    subject     TEXT NOT NULL DEFAULT '',
+    fromname    TEXT NOT NULL DEFAULT '',
+    fromaddress TEXT NOT NULL DEFAULT '',
+    replyto     TEXT NOT NULL DEFAULT '',
+    html        TEXT NOT NULL DEFAULT '',
+    text        TEXT NOT NULL DEFAULT '',
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS message_owner ON message(owner, deleted);
+
+CREATE TABLE IF NOT EXISTS segment (
+    id          INTEGER PRIMARY KEY,
+    owner       INTEGER NOT NULL REFERENCES account(id),
+    name        TEXT NOT NULL DEFAULT '',
+    datasources TEXT NOT NULL DEFAULT '[]',    -- JSON [datasource id]
+    match       TEXT NOT NULL DEFAULT 'all' CHECK (match IN ('all', 'any')),
+    conditions  TEXT NOT NULL DEFAULT '[]',    -- JSON [{field, op, value}]
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS segment_owner ON segment(owner, deleted);
+
+CREATE TABLE IF NOT EXISTS accountprofile (
+    id          INTEGER PRIMARY KEY,
+    owner       INTEGER NOT NULL REFERENCES account(id),
+    name        TEXT NOT NULL DEFAULT '',
+    fromname    TEXT NOT NULL DEFAULT '',
+    fromaddress TEXT NOT NULL DEFAULT '',
+    replyto     TEXT NOT NULL DEFAULT '',
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS accountprofile_owner ON accountprofile(owner, deleted);
+
+-- Campaigns -------------------------------------------------------------------
+
+-- `scheduled` is not stored: a campaign is scheduled while it has a batch that
+-- is 'scheduled' (waiting for its time).  `archiveid` is the campaign's own id.
+CREATE TABLE IF NOT EXISTS campaign (
+    id              INTEGER PRIMARY KEY,
+    owner           INTEGER NOT NULL REFERENCES account(id),
+    accountprofile  INTEGER NOT NULL,
+    name            TEXT NOT NULL,
+    description     TEXT NOT NULL DEFAULT '',
+    enabled         INTEGER NOT NULL DEFAULT 1 CHECK (enabled IN (0, 1)),
+    archiveemail    TEXT,
+    defaulttemplate TEXT NOT NULL DEFAULT '',
+    thumbnail       TEXT,
+    created         TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
+
+-- A link of a message to a segment in a campaign.  Sending goes by priority,
+-- lower numbers first, then by id; an address in several segments receives
+-- only the message of the first.
+CREATE TABLE IF NOT EXISTS campaign_message (
+    id       INTEGER PRIMARY KEY,
+    campaign INTEGER NOT NULL REFERENCES campaign(id),
+    segment  INTEGER NOT NULL REFERENCES segment(id),
+    message  INTEGER NOT NULL REFERENCES message(id),
+    priority INTEGER NOT NULL DEFAULT 0 CHECK (priority >= 0),
+    UNIQUE (campaign, segment, message)
+);
+
+CREATE TABLE IF NOT EXISTS batch (
+    id        INTEGER PRIMARY KEY,
+    campaign  INTEGER NOT NULL REFERENCES campaign(id),
+    timestamp TEXT NOT NULL,                   -- when it is due, UTC
+    status    TEXT NOT NULL DEFAULT 'scheduled'
+              CHECK (status IN ('scheduled', 'sending', 'sent', 'cancelled')),
+    base_url  TEXT NOT NULL DEFAULT '',        -- where links in its emails point
+    recipients INTEGER NOT NULL DEFAULT 0,
+    created   TEXT NOT NULL DEFAULT (datetime('now')),
+    finished  TEXT
+);
+CREATE INDEX IF NOT EXISTS batch_due ON batch(status, timestamp);
+CREATE INDEX IF NOT EXISTS batch_campaign ON batch(campaign);
+
+-- Each message as rendered for a batch (the batch archive).
+CREATE TABLE IF NOT EXISTS batch_message (
+    batch   INTEGER NOT NULL REFERENCES batch(id),
+    message INTEGER NOT NULL,
+    subject TEXT NOT NULL,
+    html    TEXT NOT NULL,
+    text    TEXT NOT NULL,
+    PRIMARY KEY (batch, message)
+) WITHOUT ROWID;
+
+-- The outbox: every email the service sends.  A campaign email names its
+-- batch, message and recipient and is rendered at delivery; only other mail
+-- (notifications, archive copies) carries its own subject and body.
+-- Status: queued -> sending (claimed by a worker) -> sent | failed, back to
+-- queued for a retry; 'skipped' when the recipient unsubscribed, bounced or
+-- was removed between queueing and delivery.
+CREATE TABLE IF NOT EXISTS outbox (
+    id          INTEGER PRIMARY KEY,
+    account     INTEGER NOT NULL REFERENCES account(id),
+    kind        TEXT NOT NULL
+                CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'),
+    batch       INTEGER REFERENCES batch(id),
+    message     INTEGER,
+    recipient   INTEGER,
+    to_addr     TEXT NOT NULL COLLATE NOCASE,
+    subject     TEXT,
+    body        TEXT,                          -- plain text
+    html        TEXT,                          -- optional HTML alternative
+    status      TEXT NOT NULL DEFAULT 'queued'
+                CHECK (status = 'queued' OR status = 'sending' OR status = 'sent'
+                       OR status = 'failed' OR status = 'skipped'),
+    attempts    INTEGER NOT NULL DEFAULT 0,    -- delivery attempts made
+    next_try    TEXT NOT NULL DEFAULT (datetime('now')),
+    claimed_by  TEXT,                          -- the worker sending it; a claim older
+    claimed_at  TEXT,                          -- than 10 minutes is taken back
+    attempt_started TEXT,                      -- set (committed) just before the SMTP
+                                               -- attempt, cleared with its result: a dead
+                                               -- worker's row with it set may have arrived,
+                                               -- so it is failed, never sent again
+    error       TEXT,                          -- the last SMTP reply or error
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    sent        TEXT
+);
+-- A batch never queues one address twice, even when the worker runs again
+-- after a crash.
+CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
+CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
+CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
