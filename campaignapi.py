@@ -95,7 +95,7 @@ DEFAULT_CONFIG = {
     "key_cache_seconds": 1.0,
 }
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
@@ -701,9 +701,54 @@ def _pg_id_tables():
 #: the schema), a function ``step(conn)``, or a dict of either per engine
 #: (``{"sqlite": lambda conn: _rebuild_table(conn, ...), "postgresql": "ALTER
 #: TABLE ..."}``).  All steps run in one transaction; then schema.sql runs
-#: again, so new tables and indexes need no step.  Today's schema is
-#: version 1 (SCHEMA_VERSION) and has no steps yet.
-MIGRATIONS = ()
+#: again, so new tables and indexes need no step.
+MIGRATIONS = (
+    # Version 2: sign-ups, statuses 'unconfirmed' and 'complained', templates,
+    # tracking, bounces and complaints, webhooks.  New tables come from
+    # schema.sql; these are the changes to the tables version 1 has.
+    (2, """
+ALTER TABLE datasource ADD COLUMN signup INTEGER NOT NULL DEFAULT 0 CHECK (signup IN (0, 1));
+ALTER TABLE datasource ADD COLUMN doubleoptin INTEGER NOT NULL DEFAULT 1
+    CHECK (doubleoptin IN (0, 1));
+ALTER TABLE datasource ADD COLUMN confirmmessage INTEGER;
+ALTER TABLE datasource ADD COLUMN welcomemessage INTEGER;
+ALTER TABLE datasource ADD COLUMN fromprofile INTEGER;
+ALTER TABLE campaign ADD COLUMN tracking INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1));
+"""),
+    (2, {
+        # New CHECK lists and columns: SQLite rebuilds the table as schema.sql
+        # declares it; PostgreSQL swaps the named constraint.
+        "sqlite": lambda conn: [_rebuild_table(conn, table, _schema_table(table))
+                                for table in ("suppression", "recipient", "outbox")],
+        "postgresql": """
+ALTER TABLE suppression DROP CONSTRAINT suppression_reason_check;
+ALTER TABLE suppression ADD CONSTRAINT suppression_reason_check
+    CHECK (reason = 'unsubscribed' OR reason = 'bounced' OR reason = 'complained');
+ALTER TABLE recipient DROP CONSTRAINT recipient_status_check;
+ALTER TABLE recipient ADD CONSTRAINT recipient_status_check
+    CHECK (status = 'active' OR status = 'unconfirmed' OR status = 'unsubscribed'
+           OR status = 'bounced' OR status = 'complained');
+ALTER TABLE recipient ADD COLUMN confirm_sent TEXT;
+ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
+ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
+    CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
+           OR kind = 'signup' OR kind = 'test');
+ALTER TABLE outbox ADD COLUMN fromname TEXT;
+ALTER TABLE outbox ADD COLUMN fromaddress TEXT;
+ALTER TABLE outbox ADD COLUMN replyto TEXT;
+"""}),
+)
+
+
+def _schema_table(table):
+    """The ``CREATE TABLE`` statement of ``table`` in schema.sql."""
+    with open(_schema_path(), encoding="utf-8") as file:
+        script = file.read()
+    match = re.search(rf"^CREATE TABLE IF NOT EXISTS {table} \(.*?^\)[^;]*;", script,
+                      re.M | re.S)
+    if match is None:
+        raise RuntimeError(f"campaignapi: schema.sql has no table {table}")
+    return match[0]
 
 
 def _schema_path():

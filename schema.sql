@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS apikey (
 CREATE TABLE IF NOT EXISTS suppression (
     account  INTEGER NOT NULL REFERENCES account(id),
     email    TEXT NOT NULL COLLATE NOCASE,
-    reason   TEXT NOT NULL CHECK (reason IN ('unsubscribed', 'bounced')),
+    reason   TEXT NOT NULL
+             CHECK (reason = 'unsubscribed' OR reason = 'bounced' OR reason = 'complained'),
     campaign INTEGER,                      -- whose email led to it (archive counts); NULL: unknown
     created  TEXT NOT NULL DEFAULT (datetime('now')),
     PRIMARY KEY (account, email)
@@ -57,7 +58,16 @@ CREATE TABLE IF NOT EXISTS datasource (
     description TEXT NOT NULL DEFAULT '',
     origin      TEXT NOT NULL DEFAULT 'api' CHECK (origin IN ('import', 'signup', 'api')),
     created     TEXT NOT NULL DEFAULT (datetime('now')),
-    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
+    -- Public sign-ups (version 2): the form takes them when signup = 1; with
+    -- doubleoptin they stay 'unconfirmed' until the link in the confirmation
+    -- email (message confirmmessage, else a built-in one) is followed; the
+    -- welcome message goes once they are active; both sent as fromprofile.
+    signup         INTEGER NOT NULL DEFAULT 0 CHECK (signup IN (0, 1)),
+    doubleoptin    INTEGER NOT NULL DEFAULT 1 CHECK (doubleoptin IN (0, 1)),
+    confirmmessage INTEGER,
+    welcomemessage INTEGER,
+    fromprofile    INTEGER
 );
 CREATE INDEX IF NOT EXISTS datasource_owner ON datasource(owner, deleted);
 
@@ -96,10 +106,12 @@ CREATE TABLE IF NOT EXISTS recipient (
     email      TEXT NOT NULL COLLATE NOCASE,
     data       TEXT NOT NULL DEFAULT '{}',      -- JSON {field id: value}
     status     TEXT NOT NULL DEFAULT 'active'
-               CHECK (status = 'active' OR status = 'unsubscribed' OR status = 'bounced'),
+               CHECK (status = 'active' OR status = 'unconfirmed' OR status = 'unsubscribed'
+                      OR status = 'bounced' OR status = 'complained'),
     import     INTEGER REFERENCES import(id) ON DELETE SET NULL,  -- the import that inserted it
     created    TEXT NOT NULL DEFAULT (datetime('now')),
     updated    TEXT NOT NULL DEFAULT (datetime('now')),
+    confirm_sent TEXT,                          -- when the last confirmation email was queued
     UNIQUE (datasource, email)
 );
 -- No index on email alone: lookups by address name the datasources
@@ -184,7 +196,8 @@ CREATE TABLE IF NOT EXISTS campaign (
     defaulttemplate TEXT NOT NULL DEFAULT '',
     thumbnail       TEXT,
     created         TEXT NOT NULL DEFAULT (datetime('now')),
-    deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+    deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
+    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1))   -- version 2
 );
 CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
 
@@ -234,7 +247,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     id          INTEGER PRIMARY KEY,
     account     INTEGER NOT NULL REFERENCES account(id),
     kind        TEXT NOT NULL
-                CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'),
+                CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
+                       OR kind = 'signup' OR kind = 'test'),
     batch       INTEGER REFERENCES batch(id),
     message     INTEGER,
     recipient   INTEGER,
@@ -255,10 +269,111 @@ CREATE TABLE IF NOT EXISTS outbox (
                                                -- so it is failed, never sent again
     error       TEXT,                          -- the last SMTP reply or error
     created     TEXT NOT NULL DEFAULT (datetime('now')),
-    sent        TEXT
+    sent        TEXT,
+    -- The sender of a ready-made email (a sign-up's confirmation or welcome, a
+    -- test send), from a sender profile; empty: the worker's --mail-from.
+    fromname    TEXT,
+    fromaddress TEXT,
+    replyto     TEXT
 );
 -- A batch never queues one address twice, even when the worker runs again
 -- after a crash.
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
 CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
+
+-- Version 2 --------------------------------------------------------------------
+
+-- Templates wrap a campaign's messages: html and text hold {{content}} once.
+CREATE TABLE IF NOT EXISTS template (
+    id      INTEGER PRIMARY KEY,
+    owner   INTEGER NOT NULL REFERENCES account(id),
+    name    TEXT NOT NULL DEFAULT '',
+    html    TEXT NOT NULL DEFAULT '',
+    text    TEXT NOT NULL DEFAULT '',
+    created TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS template_owner ON template(owner, deleted);
+
+-- Addresses erased from an account (a recipient deleted for real): only a
+-- keyed one-way hash stays, so an import or sign-up of the same address is
+-- recognised and never mailed without a new confirmation.
+CREATE TABLE IF NOT EXISTS erasure (
+    account INTEGER NOT NULL REFERENCES account(id),
+    hash    TEXT NOT NULL,
+    created TEXT NOT NULL DEFAULT (datetime('now')),
+    PRIMARY KEY (account, hash)
+) WITHOUT ROWID;
+
+-- What happened to the emails of a campaign, one row an event: opens,
+-- clicks, unsubscribes, bounces (hard and soft) and complaints.  The archive
+-- figures are counted from it.  No foreign keys: events are written by public
+-- routes at any rate and must never wait on, or be lost with, other rows.
+CREATE TABLE IF NOT EXISTS event (
+    id       INTEGER PRIMARY KEY,
+    account  INTEGER NOT NULL,
+    kind     TEXT NOT NULL
+             CHECK (kind = 'open' OR kind = 'click' OR kind = 'unsubscribe' OR kind = 'bounce'
+                    OR kind = 'softbounce' OR kind = 'complaint'),
+    campaign INTEGER,                          -- NULL: not tied to a campaign's email
+    batch    INTEGER,
+    outbox   INTEGER,                          -- the email it is about, when known
+    email    TEXT COLLATE NOCASE,
+    link     INTEGER,                          -- a click: the link's index in its message
+    created  TEXT NOT NULL DEFAULT (datetime('now'))
+);
+CREATE INDEX IF NOT EXISTS event_batch ON event(batch, kind);
+CREATE INDEX IF NOT EXISTS event_campaign ON event(campaign, kind);
+CREATE INDEX IF NOT EXISTS event_address ON event(account, email, created);
+
+-- The links of each message as a batch sent it, by index: a click token
+-- names (outbox email, index) and redirects only to the URL stored here.
+CREATE TABLE IF NOT EXISTS batch_link (
+    batch   INTEGER NOT NULL REFERENCES batch(id),
+    message INTEGER NOT NULL,
+    link    INTEGER NOT NULL,
+    url     TEXT NOT NULL,
+    PRIMARY KEY (batch, message, link)
+) WITHOUT ROWID;
+
+-- Webhooks: where an account's events are POSTed, signed with its secret.
+CREATE TABLE IF NOT EXISTS webhook (
+    id          INTEGER PRIMARY KEY,
+    owner       INTEGER NOT NULL REFERENCES account(id),
+    url         TEXT NOT NULL,
+    events      TEXT NOT NULL DEFAULT '[]',    -- JSON [kind]; [] for every kind
+    enabled     INTEGER NOT NULL DEFAULT 1 CHECK (enabled IN (0, 1)),
+    secret      TEXT NOT NULL,                 -- whsec_...: shown once, at create
+    lastattempt TEXT,
+    lasterror   TEXT,
+    failures    INTEGER NOT NULL DEFAULT 0,    -- events given up on after 24 hours
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted     INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS webhook_owner ON webhook(owner, deleted);
+
+-- Every event raised for an account that has a webhook wanting it, stored in
+-- the transaction of the change that caused it, and one delivery per webhook.
+CREATE TABLE IF NOT EXISTS hook_event (
+    id      INTEGER PRIMARY KEY,
+    account INTEGER NOT NULL REFERENCES account(id),
+    kind    TEXT NOT NULL,
+    payload TEXT NOT NULL,                     -- the JSON body sent, as sent
+    created TEXT NOT NULL DEFAULT (datetime('now'))
+);
+CREATE TABLE IF NOT EXISTS hook_delivery (
+    id         INTEGER PRIMARY KEY,
+    webhook    INTEGER NOT NULL REFERENCES webhook(id),
+    event      INTEGER NOT NULL REFERENCES hook_event(id),
+    status     TEXT NOT NULL DEFAULT 'pending'
+               CHECK (status = 'pending' OR status = 'delivered' OR status = 'failed'),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    next_try   TEXT NOT NULL DEFAULT (datetime('now')),
+    error      TEXT,
+    claimed_by TEXT,
+    claimed_at TEXT,
+    created    TEXT NOT NULL DEFAULT (datetime('now')),
+    finished   TEXT
+);
+CREATE INDEX IF NOT EXISTS hook_delivery_due ON hook_delivery(status, webhook, id);

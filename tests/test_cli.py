@@ -31,7 +31,7 @@ def run_cli(*args, cwd):
 def test_new_database_gets_the_schema_version(db):
     campaignapi.create_app(db)
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == campaignapi.SCHEMA_VERSION == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == campaignapi.SCHEMA_VERSION == 2
     tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"account", "apikey", "datasource", "field", "campaign"} <= tables
     conn.close()
