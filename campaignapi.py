@@ -93,11 +93,31 @@ DEFAULT_CONFIG = {
     # request.  A key revoked in this process stops at once; one revoked from
     # another process (the CLI) stops within this time.  0: always ask.
     "key_cache_seconds": 1.0,
+    # Where template files named by a campaign's defaulttemplate live
+    # (NAME.html and an optional NAME.txt).  Empty: only template records.
+    "templates_dir": "",
+    # VERP: each campaign email's envelope sender is bounces+TOKEN@this domain,
+    # so a bounce that comes back later names its email.  Empty: no VERP.
+    "bounce_domain": "",
+    # Provider callbacks for bounces and complaints; each route answers 404
+    # until its setting is given.
+    "mailgun_signing_key": "",
+    "postmark_credentials": "",       # "user:password" (HTTP basic auth)
+    "sendgrid_public_key": "",        # base64 DER or PEM (ECDSA P-256)
+    "ses_topic_arns": (),             # the SNS topics accepted
+    # Webhook URLs may point at loopback and private addresses (never at
+    # cloud metadata addresses).  Off: such URLs are refused.
+    "webhook_allow_private": False,
+    # callable(kind, payload), called after the transaction that raised an
+    # event has committed; an exception in it is logged and changes nothing.
+    "on_event": None,
 }
 
 SCHEMA_VERSION = 2
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
+#: Only 'active' recipients receive campaigns.
+RECIPIENT_STATUSES = ("active", "unconfirmed", "unsubscribed", "bounced", "complained")
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
 MAX_ID = 2**63 - 1
 
@@ -1163,6 +1183,12 @@ class Call:
     def get(self, name, default=None):
         return self.params.get(name, default)
 
+    def emit(self, kind, data, account=None):
+        """Raise an event of ``account`` (default: the caller's) in this
+        request's transaction; on_event gets it after the commit."""
+        return emit(self.conn, account or self.account, kind, data,
+                    self.memo.setdefault("events", []))
+
     @property
     def base_url(self):
         """Where this API is reachable from outside: for links in emails."""
@@ -1418,6 +1444,8 @@ class Service:
                     outcome = route.run(call, ids)
             else:
                 outcome = route.run(call, ids)
+            if call.memo.get("events") and self.config["on_event"]:
+                run_callbacks(self.config["on_event"], call.memo["events"])
         except ApiError as error:
             outcome = error
         except INTEGRITY_ERRORS:
@@ -1526,6 +1554,65 @@ def enqueue_email(conn, account, to_addr, subject, body, kind="notification", ht
 def account_email(conn, account):
     """The account holder's address, where notifications go."""
     return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
+
+
+# ---------------------------------------------------------------------------
+# Events: raised in the transaction of the change that causes them, stored for
+# the account's webhooks (the worker delivers them), and handed to the
+# on_event callback once that transaction has committed.
+# ---------------------------------------------------------------------------
+
+#: Every kind of event, in the order a recipient's or a campaign's life runs.
+EVENT_KINDS = ("recipient.subscribed", "recipient.confirmed", "recipient.unsubscribed",
+               "recipient.bounced", "recipient.complained", "import.finished",
+               "export.finished", "batch.started", "batch.sent")
+
+
+def _iso_now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace(
+        "+00:00", "Z")
+
+
+def emit(conn, account, kind, data, pending=None):
+    """Raise event ``kind`` of ``account`` inside the current transaction.
+
+    The payload ``{"type", "timestamp", "data"}`` is stored once, with one
+    delivery for each enabled webhook of the account that wants the kind, so
+    it is sent if and only if the transaction commits.  ``pending`` (a list)
+    collects ``(kind, payload)`` for the on_event callback, which the caller
+    runs after its commit.
+
+    :param data: the record, or the ids, the event is about (JSON values).
+    :returns: the payload.
+    """
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"unknown event kind {kind!r}")
+    payload = {"type": kind, "timestamp": _iso_now(), "data": data}
+    webhooks = [row["id"] for row in conn.execute(
+        "SELECT id, events FROM webhook WHERE owner = ? AND enabled = 1 AND deleted = 0",
+        (account,)) if kind in json.loads(row["events"]) or row["events"] == "[]"]
+    if webhooks:
+        now = _now()
+        event_id = conn.execute(
+            "INSERT INTO hook_event (account, kind, payload, created) VALUES (?, ?, ?, ?)",
+            (account, kind, _to_json(payload), now)).lastrowid
+        conn.executemany("INSERT INTO hook_delivery (webhook, event, next_try, created) "
+                         "VALUES (?, ?, ?, ?)", [(webhook, event_id, now, now)
+                                                 for webhook in webhooks])
+    if pending is not None:
+        pending.append((kind, payload))
+    return payload
+
+
+def run_callbacks(on_event, pending):
+    """Hand committed events to the embedding application's callback; an
+    exception there is logged and changes nothing."""
+    for kind, payload in pending:
+        try:
+            on_event(kind, payload)
+        except Exception:
+            log.exception("the on_event callback failed for %s", kind)
+    pending.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -1958,7 +2045,7 @@ def _recipient_record(call, row):
 
 RECIPIENT = Resource("recipient", "recipient", _recipient_record,
                      parent=DATASOURCE, parent_key="datasource",
-                     filters={"status:active|unsubscribed|bounced": "status = ?"})
+                     filters={"status:" + "|".join(RECIPIENT_STATUSES): "status = ?"})
 
 
 # Field changes --------------------------------------------------------------
@@ -5944,7 +6031,7 @@ RECORD_SCHEMAS = {
     "recipient": _record_schema(
         "id datasource email fields status created updated",
         fields={"type": "object", "additionalProperties": _STRING_OR_NULL},
-        status={"enum": ["active", "unsubscribed", "bounced"]}),
+        status={"enum": list(RECIPIENT_STATUSES)}),
     "field": _record_schema("id name type", type={"enum": list(FIELD_TYPES)}),
     "import": _record_schema(
         "id datasource name originalfile uploadtype status rows inserted updated skipped "

@@ -42,7 +42,7 @@ def test_paging_and_status_filter(api, ds, db):
     assert by_status == {"active": ["ann@example.com", "cid@example.com"],
                          "bounced": ["bob@example.com"], "unsubscribed": []}
     error = api.get(f"/datasource/{ds}/recipient/all?status=gone", status=400)
-    assert error["allowed"] == ["active", "unsubscribed", "bounced"]
+    assert error["allowed"] == ["active", "unconfirmed", "unsubscribed", "bounced", "complained"]
     assert api.get(f"/datasource/{ds}/recipient/all", status=400, limit=1001)["field"] == "limit"
 
 
