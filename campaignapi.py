@@ -70,6 +70,7 @@ import socket
 import sqlite3
 import ssl
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -6403,37 +6404,280 @@ def create_app(db="campaignapi.db", **config):
 
 
 # ---------------------------------------------------------------------------
+# Logging when embedded
+# ---------------------------------------------------------------------------
+
+#: The format of the lines that log_to_stderr() and the command line write.
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """The handler of log_to_stderr(); its class tells a second call it is there."""
+
+
+def log_to_stderr(level=logging.INFO):
+    """Write the ``campaignapi`` log to stderr: one line per request (responseId,
+    method, path, status, time), batch and delivery progress, the traceback of
+    every 500.
+
+    For an embedded app (gunicorn, waitress-serve, a server of your own): nothing
+    configures logging there, and importing this module must not either.  Only the
+    ``campaignapi`` logger changes: it gets ``level`` and one handler (a second call
+    only sets the level).  The root logger and other libraries' loggers are left
+    alone.  An application that configures logging itself needs only the level:
+    ``logging.getLogger("campaignapi").setLevel(logging.INFO)``.
+
+    :param level: the lowest level written; ``logging.INFO`` includes the request lines.
+    :returns: the handler, e.g. to give it another formatter.
+    """
+    logger = logging.getLogger("campaignapi")
+    logger.setLevel(level)
+    for handler in logger.handlers:
+        if isinstance(handler, _StderrHandler):
+            return handler
+    handler = _StderrHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logger.addHandler(handler)
+    return handler
+
+
+# ---------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------
 
-def _cmd_serve(args):
-    init_db(args.db)
-    conn = connect(args.db)
+class _Refused(Exception):
+    """A start-up or argument failure: main() prints it as one line on stderr
+    and exits with status 2.  Raised before anything is created or changed."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and status 2, like every refusal."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+                     f"(see {self.prog} --help)\n")
+
+
+def _argument_type(check):
+    """An argparse ``type`` from ``check(text) -> value``: the ValueError it
+    raises becomes the usage error of the option."""
+    def convert(text):
+        try:
+            return check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return convert
+
+
+def _whole_number(low, high):
+    def check(text):
+        try:
+            value = int(text) if text.isascii() else None
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise ValueError(f"must be a whole number from {low} to {high}, not {text!r}")
+        return value
+    return _argument_type(check)
+
+
+@_argument_type
+def _rate(text):
     try:
-        if conn.execute("SELECT count(*) FROM account").fetchone()[0] == 0:
-            try:
-                secret = create_key(args.db, args.email, name="first key")
-            except ValueError as error:
-                sys.exit(f"error: {error}")
-            print(f"New database {args.db}: account {args.email} with a full-access API key.")
-            print("Keep this secret; it is shown only once:")
-            print(secret)
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):  # NaN fails the comparison too
+        raise ValueError(f"must be a number of emails a second above 0, not {text!r}")
+    return value
+
+
+@_argument_type
+def _http_url(text):
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # raises ValueError for a port that is not a number
+    except ValueError:
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or parts.query or parts.fragment or any(c.isspace() or not c.isprintable()
+                                                    for c in text)):
+        raise ValueError("must be an http:// or https:// URL without a query, such as "
+                         f"https://mail.example.com or https://example.com/email, not {text!r}")
+    return text.rstrip("/")
+
+
+@_argument_type
+def _address(text):
+    address = _normalize_email(text)
+    if address is None:
+        raise ValueError(f"not a valid email address: {text!r}")
+    return address
+
+
+@_argument_type
+def _smtp(text):
+    smtp_address(text)
+    return text
+
+
+@_argument_type
+def _levels(text):
+    return ",".join(_parse_levels(text))
+
+
+@_argument_type
+def _expiry(text):
+    try:
+        day = datetime.date.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"must be a date, YYYY-MM-DD, not {text!r}") from None
+    if day < datetime.datetime.now(datetime.timezone.utc).date():
+        raise ValueError(f"{text} is in the past: the key would never work (the key works "
+                         "through the day given, UTC)")
+    return text
+
+
+def _read_schema_version(path):
+    """The schema version of the existing file ``path``, read without changing it."""
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error as error:
+        raise _Refused(f"--db {path} is not a database campaignapi can open ({error})") from None
+    if version > SCHEMA_VERSION:
+        raise _Refused(f"--db {path} was made by a newer campaignapi (schema version {version}; "
+                       f"this one knows {SCHEMA_VERSION}): upgrade campaignapi to use it")
+    if version == 0 and tables:
+        raise _Refused(f"--db {path} holds another application's tables, not campaignapi's")
+    return version
+
+
+def _check_database(path, *, must_exist):
+    """Refuse ``--db`` before anything is created or changed: a directory, a
+    missing or unwritable directory, a file that is not a campaignapi database or
+    that a newer version made; with ``must_exist``, a path without a database
+    (a typo must not start a worker on a new, empty file)."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise _Refused(f"--db {path} is a directory, not a database file")
+    if os.path.exists(path):
+        _read_schema_version(path)
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise _Refused(f"--db {path}: no permission to read and write it")
+    elif must_exist:
+        raise _Refused(f"--db {path}: there is no database there (serve or key create makes "
+                       "one; check the path)")
+    elif not os.path.isdir(where):
+        missing = "is not a directory" if os.path.exists(where) else "does not exist"
+        raise _Refused(f"--db {path}: the directory {where} {missing}")
+    try:
+        # SQLite creates files beside the database (its journal, the WAL): try
+        # it, leaving nothing behind.
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as error:
+        raise _Refused(f"--db {path}: cannot create files in {where} "
+                       f"({error.strerror or error})") from None
+
+
+@contextlib.contextmanager
+def _database_errors(path):
+    """What is left after _check_database() (a race, a full disk) as one line."""
+    try:
+        yield
+    except (sqlite3.Error, OSError, RuntimeError) as error:
+        raise _Refused(f"--db {path}: {error}") from None
+
+
+def _url_host(host):
+    return f"[{host}]" if ":" in host else host
+
+
+def _claim_port(host, port):
+    """Bind ``host:port`` as waitress will (every address of the name,
+    SO_REUSEADDR, IPv6 sockets IPv6 only), so that a port in use is refused
+    before anything is created or printed.  Answers ``(sockets, port)``, the port
+    being the one found when ``port`` is 0; the caller closes the sockets just
+    before waitress binds (waitress.serve takes a host and port)."""
+    try:
+        found = socket.getaddrinfo(None if host == "*" else host, port, socket.AF_UNSPEC,
+                                   socket.SOCK_STREAM, socket.IPPROTO_TCP, socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as error:
+        raise _Refused(f"--host {host}: {getattr(error, 'strerror', None) or error}") from None
+    sockets = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(found):
+            if sockets:  # port 0: every address gets the port the first one found
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        raise _Refused(f"cannot listen on {_url_host(host)}:{port}: "
+                       f"{error.strerror or error} (another server there? try another --port)"
+                       ) from None
+    return sockets, sockets[0].getsockname()[1]
+
+
+def _new_account_key(db, email):
+    """The secret of a first key when the database has no account yet, else None."""
+    init_db(db)
+    conn = connect(db)
+    try:
+        if conn.execute("SELECT count(*) FROM account").fetchone()[0]:
+            return None
     finally:
         conn.close()
-    app = create_app(args.db, **({"public_url": args.public_url} if args.public_url else {}))
-    print(f"campaignapi {__version__} serving {args.db} on http://{args.host}:{args.port}/v1/",
-          flush=True)
+    return create_key(db, email, name="first key")
+
+
+def _cmd_serve(args):
+    options = _worker_options(args)
+    _check_database(args.db, must_exist=False)
+    sockets, port = _claim_port(args.host, args.port)
+    try:
+        public_url = args.public_url or f"http://{_url_host(args.host)}:{port}"
+        options["public_url"] = public_url
+        with _database_errors(args.db):
+            secret = _new_account_key(args.db, args.email)
+            app = create_app(args.db, public_url=public_url, max_body=args.max_body)
+    finally:
+        for sock in sockets:
+            sock.close()
+    if secret:
+        print(f"New database {args.db}: account {args.email} with a full-access API key.")
+        print("Keep this secret; it is shown only once:")
+        print(secret)
+    print(f"campaignapi {__version__} serving {args.db} on "
+          f"http://{_url_host(args.host)}:{port}/v1/", flush=True)
     import waitress
     stop = threading.Event()
-    worker = threading.Thread(target=run_worker, args=(args.db, stop), kwargs=_worker_options(args),
+    worker = threading.Thread(target=run_worker, args=(args.db, stop), kwargs=options,
                               name="campaignapi-worker", daemon=True)
     worker.start()
     _stop_on_sigterm(lambda: _raise(KeyboardInterrupt))
     try:
-        waitress.serve(app, host=args.host, port=args.port, threads=args.threads,
-                       ident="campaignapi")
+        # waitress buffers a whole body before the app sees the request, so its
+        # own limit is set to ours: a body over it is refused from its
+        # Content-Length, unread (waitress refuses at >=, hence the + 1).
+        waitress.serve(app, host=args.host, port=port, threads=args.threads,
+                       ident="campaignapi", max_request_body_size=args.max_body + 1)
     except KeyboardInterrupt:
         pass
+    except OSError as error:  # only if another process took the port since _claim_port
+        raise _Refused(f"cannot listen on {_url_host(args.host)}:{port}: "
+                       f"{error.strerror or error}") from None
     finally:
         stop.set()
         worker.join(timeout=60)
@@ -6449,10 +6693,12 @@ def _stop_on_sigterm(action):
 
 
 def _cmd_worker(args):
-    init_db(args.db)
+    options = _worker_options(args)
+    _check_database(args.db, must_exist=True)
+    with _database_errors(args.db):
+        init_db(args.db)
     stop = threading.Event()
     _stop_on_sigterm(stop.set)
-    options = _worker_options(args)
     print(f"campaignapi {__version__} worker on {args.db}, "
           + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills"),
           flush=True)
@@ -6464,107 +6710,168 @@ def _cmd_worker(args):
 
 def _add_delivery_options(parser):
     group = parser.add_argument_group("delivery (without --smtp the outbox fills and waits)")
-    group.add_argument("--smtp", default=None, metavar="HOST:PORT", help="the SMTP relay")
-    group.add_argument("--starttls", action="store_true", help="upgrade with STARTTLS")
-    group.add_argument("--smtp-user", default=None)
+    group.add_argument("--smtp", default=None, type=_smtp, metavar="HOST:PORT",
+                       help="the SMTP relay, e.g. 127.0.0.1:25 or [::1]:587 (default: none)")
+    group.add_argument("--starttls", action="store_true",
+                       help="upgrade the SMTP connection with STARTTLS (default: off)")
+    group.add_argument("--smtp-user", default=None, metavar="NAME",
+                       help="SMTP login (default: none, no login)")
     group.add_argument("--smtp-password", default=os.environ.get("CAMPAIGNAPI_SMTP_PASSWORD"),
-                       help="default: $CAMPAIGNAPI_SMTP_PASSWORD")
-    group.add_argument("--connections", type=int, default=1, help="parallel SMTP connections")
-    group.add_argument("--rate", type=float, default=None, help="at most R emails a second")
-    group.add_argument("--mail-from", default=None,
-                       help="sender of notifications (default campaignapi@HOSTNAME)")
-    group.add_argument("--dkim-domain", default=None)
-    group.add_argument("--dkim-selector", default=None)
-    group.add_argument("--dkim-key", default=None, metavar="PATH", help="RSA private key, PEM")
+                       metavar="PASSWORD", help="default: $CAMPAIGNAPI_SMTP_PASSWORD")
+    group.add_argument("--connections", type=_whole_number(1, 1000), default=1, metavar="N",
+                       help="parallel SMTP connections, 1 to 1000 (default: %(default)s)")
+    group.add_argument("--rate", type=_rate, default=None, metavar="R",
+                       help="at most R emails a second over all connections, e.g. 50 or 0.5 "
+                            "(default: no limit)")
+    group.add_argument("--mail-from", default=None, type=_address, metavar="ADDR",
+                       help="sender of notifications and archive copies "
+                            "(default: campaignapi@HOSTNAME)")
+    group.add_argument("--dkim-domain", default=None, metavar="DOMAIN",
+                       help="sign every email with DKIM as this domain; needs --dkim-selector "
+                            "and --dkim-key (default: no signing)")
+    group.add_argument("--dkim-selector", default=None, metavar="SELECTOR",
+                       help="the public key is published at SELECTOR._domainkey.DOMAIN")
+    group.add_argument("--dkim-key", default=None, metavar="PATH",
+                       help="the RSA private key, PEM")
+
+
+#: What a DKIM key must be able to sign at start-up (so a bad key fails there).
+_DKIM_PROBE = b"From: probe@example.com\r\nSubject: probe\r\n\r\nprobe\r\n"
+
+
+def _dkim_settings(domain, selector, path):
+    """``(domain, selector, key)`` for deliver(), once a probe email is signed."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read()
+    except OSError as error:
+        raise _Refused(f"--dkim-key {path}: {error.strerror or error}") from None
+    try:
+        import dkim
+    except ImportError:
+        raise _Refused("DKIM signing needs dkimpy: pip install 'campaignapi[dkim]'") from None
+    try:
+        dkim_signer(domain, selector, key)(_DKIM_PROBE)
+    except (ValueError, dkim.DKIMException) as error:
+        raise _Refused(f"--dkim-key {path} cannot sign for {domain!r} with selector "
+                       f"{selector!r}: {error or type(error).__name__}") from None
+    return domain, selector, key
 
 
 def _worker_options(args):
     """run_worker() keyword arguments from the command line."""
-    if args.smtp:
-        try:
-            smtp_address(args.smtp)
-        except ValueError as error:
-            sys.exit(f"error: --smtp: {error}")
     dkim = None
     given = [args.dkim_domain, args.dkim_selector, args.dkim_key]
     if any(given):
         if not all(given):
-            sys.exit("error: DKIM needs --dkim-domain, --dkim-selector and --dkim-key together")
-        with open(args.dkim_key, "rb") as f:
-            dkim = (args.dkim_domain, args.dkim_selector, f.read())
+            raise _Refused("DKIM needs --dkim-domain, --dkim-selector and --dkim-key together")
+        dkim = _dkim_settings(*given)
     return {"smtp": args.smtp, "starttls": args.starttls, "username": args.smtp_user,
             "password": args.smtp_password, "connections": args.connections, "rate": args.rate,
-            "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url}
+            "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or ""}
 
 
 def _cmd_key(args):
-    if args.action == "create":
-        try:
+    _check_database(args.db, must_exist=args.action != "create")
+    with _database_errors(args.db):
+        if args.action == "create":
             secret = create_key(args.db, args.email, args.levels, args.name, args.expires)
-        except ValueError as error:
-            sys.exit(f"error: {error}")
+        elif args.action == "list":
+            keys = list_keys(args.db)
+        elif not revoke_key(args.db, args.id):
+            raise _Refused(f"there is no key {args.id} in {args.db} (key list shows the ids)")
+    if args.action == "create":
         print(f"Key for {args.email} ({args.levels}); the secret is shown only once:")
         print(secret)
     elif args.action == "list":
-        for key in list_keys(args.db):
+        for key in keys:
             state = "revoked" if key["revoked"] else f"expires {key['expires'] or 'never'}"
             print(f"{key['id']}\t{key['email']}\t{key['levels']}\t{key['name']}\t{state}")
     else:
-        if not revoke_key(args.db, args.id):
-            sys.exit(f"error: there is no key {args.id}")
         print(f"Key {args.id} revoked.")
 
 
 def main(argv=None):
-    """The command line: ``serve`` (the default), ``worker``, ``key create|list|revoke``."""
+    """The command line: ``serve`` (the default), ``worker``, ``key create|list|revoke``.
+
+    Every start-up and argument failure is one line on stderr and exit status 2,
+    before anything is created.
+
+    :param argv: the arguments (default: ``sys.argv[1:]``).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve", "worker", "key", "-h", "--help", "--version"):
         argv.insert(0, "serve")
-    parser = argparse.ArgumentParser(prog="campaignapi", description=__doc__.splitlines()[0])
+    parser = _ArgumentParser(prog="campaignapi", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=__version__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve the API (the default command)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--db", default="campaignapi.db")
-    serve.add_argument("--public-url", default="",
-                       help="base URL for links in emails (default http://HOST:PORT)")
-    serve.add_argument("--threads", type=int, default=8)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; 0.0.0.0 or :: for every interface "
+                            "(default: %(default)s)")
+    serve.add_argument("--port", type=_whole_number(0, 65535), default=8080,
+                       help="TCP port; 0 takes a free one (default: %(default)s)")
+    serve.add_argument("--db", default="campaignapi.db", metavar="PATH",
+                       help="the SQLite database; a new one gets the schema, an account and a "
+                            "key (default: %(default)s)")
+    serve.add_argument("--public-url", default=None, type=_http_url, metavar="URL",
+                       help="base URL of the API as the outside world sees it, for links in "
+                            "emails (default: http://HOST:PORT)")
+    serve.add_argument("--threads", type=_whole_number(1, 1000), default=8, metavar="N",
+                       help="waitress threads answering requests, 1 to 1000 "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-body", type=_whole_number(1, 2**40), metavar="BYTES",
+                       default=DEFAULT_CONFIG["max_body"],
+                       help="largest request body; waitress answers a larger one with a "
+                            "plain-text 413 before reading it (default: %(default)s, 64 MiB)")
     # A reserved domain (RFC 2606): notifications go nowhere until the holder
     # starts the first time with --email, which is what a real install does.
-    serve.add_argument("--email", default="admin@example.com",
-                       help="account address used when the database is new "
-                            "(where import and export notifications go)")
+    serve.add_argument("--email", default="admin@example.com", type=_address, metavar="ADDR",
+                       help="account address used when the database is new, where import "
+                            "and export notifications go (default: %(default)s)")
     _add_delivery_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = commands.add_parser("worker", help="make due batches and deliver the outbox, alone")
-    worker.add_argument("--db", default="campaignapi.db")
-    worker.add_argument("--public-url", default="",
-                        help="base URL of unsubscribe links when a batch has none")
+    worker.add_argument("--db", default="campaignapi.db", metavar="PATH",
+                        help="the database; it must exist (default: %(default)s)")
+    worker.add_argument("--public-url", default=None, type=_http_url, metavar="URL",
+                        help="base URL of unsubscribe links when a batch has none "
+                             "(default: none)")
     _add_delivery_options(worker)
     worker.set_defaults(func=_cmd_worker)
 
     key = commands.add_parser("key", help="issue, list and revoke API keys")
     actions = key.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="issue a key; prints the secret last")
-    create.add_argument("--email", required=True)
-    create.add_argument("--levels", default=",".join(LEVELS))
-    create.add_argument("--name", default="")
-    create.add_argument("--expires", default=None, help="YYYY-MM-DD (valid through that day, UTC)")
+    create.add_argument("--email", required=True, type=_address, metavar="ADDR",
+                        help="the account holder's address; a new one makes the account")
+    create.add_argument("--levels", default=",".join(LEVELS), type=_levels,
+                        help="any of read,write,create,delete (default: %(default)s)")
+    create.add_argument("--name", default="", help="a label for the key (default: none)")
+    create.add_argument("--expires", default=None, type=_expiry, metavar="YYYY-MM-DD",
+                        help="the last day the key works, UTC; today or later "
+                             "(default: never)")
     listing = actions.add_parser("list", help="list keys (never their secrets)")
     revoke = actions.add_parser("revoke", help="revoke a key by id")
-    revoke.add_argument("id", type=int)
-    for sub in (create, listing, revoke):
-        sub.add_argument("--db", default="campaignapi.db")
+    revoke.add_argument("id", type=_whole_number(1, MAX_ID), help="the id that key list shows")
+    create.add_argument("--db", default="campaignapi.db", metavar="PATH",
+                        help="the database; created if missing (default: %(default)s)")
+    for sub in (listing, revoke):
+        sub.add_argument("--db", default="campaignapi.db", metavar="PATH",
+                         help="the database; it must exist (default: %(default)s)")
     key.set_defaults(func=_cmd_key)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command == "serve" and not args.public_url:
-        args.public_url = f"http://{args.host}:{args.port}"
-    args.func(args)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        args.func(args)
+    except _Refused as refusal:
+        command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
+        print(f"campaignapi {command}: error: {' '.join(str(refusal).split())}",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
