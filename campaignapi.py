@@ -3459,24 +3459,49 @@ def unsubscribe_url(secret, base, account, address, campaign=None):
     return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
 
 
-def suppress(conn, account, address, reason, campaign=None):
-    """Stop the account's campaigns reaching ``address``: a suppression row
-    and the status of every recipient row of the account with that address.
+#: Why an address is suppressed, weakest first: a stronger reason replaces a
+#: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
+#: never the other way round.  Each also names its statistics event.
+SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
+_RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
 
-    :param reason: 'unsubscribed' (replaces a bounce) or 'bounced' (never
-        replaces an unsubscribe).
+
+def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbox=None,
+             pending=None):
+    """Stop the account's campaigns reaching ``address``, in the caller's
+    transaction: the suppression row, the status of every recipient row of the
+    account with that address, the event counted in the statistics of the
+    batch that caused it, and the ``recipient.<reason>`` event for webhooks
+    and on_event.  Nothing is recorded when a stronger reason is already there.
+
+    :param reason: a key of SUPPRESSIONS: 'bounced', 'unsubscribed' or 'complained'.
+    :param campaign, batch, outbox: what the address was mailed by, when known.
+    :param pending: the on_event list of the caller (see emit()).
+    :returns: True when the address's state changed.
     """
-    conn.execute(
+    now = _now()
+    changed = conn.execute(
         "INSERT INTO suppression (account, email, reason, campaign, created) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (account, email) DO UPDATE SET reason = excluded.reason, "
         "campaign = excluded.campaign, created = excluded.created "
-        "WHERE excluded.reason = 'unsubscribed' AND suppression.reason = 'bounced'",
-        (account, address, reason, campaign, _now()))
-    replaces = "bounced" if reason == "unsubscribed" else "active"
+        f"WHERE {_RANK.format('excluded.reason')} > {_RANK.format('suppression.reason')}",
+        (account, address, reason, campaign, now)).rowcount
+    weaker = list(SUPPRESSIONS)[:list(SUPPRESSIONS).index(reason)]
+    marks = ", ".join("?" for _ in weaker)
     conn.execute(
         "UPDATE recipient SET status = ?, updated = ? WHERE email = ? "
-        "AND status IN ('active', ?) AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
-        (reason, _now(), address, replaces, account))
+        f"AND status IN ('active', 'unconfirmed'{', ' + marks if weaker else ''}) "
+        "AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
+        (reason, now, address, *weaker, account))
+    if not changed:
+        return False
+    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (account, SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
+    emit(conn, account, f"recipient.{reason}",
+         {"email": address, "campaign": campaign and str(campaign),
+          "batch": batch and str(batch)}, pending)
+    return True
 
 
 _UNSUBSCRIBE_PAGE = """<!doctype html>
@@ -3514,7 +3539,8 @@ def _unsubscribe_page(call, token):
 def _unsubscribe_post(call, token):
     # RFC 8058 one-click, and the confirm button of the page: both at once.
     account, address, campaign = _unsubscribe_subject(call, token)
-    suppress(call.conn, account, address, "unsubscribed", campaign)
+    suppress(call.conn, account, address, "unsubscribed", campaign,
+             pending=call.memo.setdefault("events", []))
     return _page_response("Unsubscribed", (
         f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails.</p>"))
 
@@ -4801,8 +4827,9 @@ class _Courier:
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
                 "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
                 "attempt_started = NULL WHERE id = ?", results)
-            for account, address, campaign in bounces:
-                suppress(self.conn, account, address, "bounced", campaign)
+            for account, address, campaign, batch, outbox in bounces:
+                suppress(self.conn, account, address, "bounced", campaign, batch=batch,
+                         outbox=outbox)
             if attempting is not None:
                 self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
                                   (_now(), attempting))
@@ -4989,7 +5016,8 @@ class _Courier:
             if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
                 letter = self.letters[(row["batch"], row["message"])]
-                bounces.append((row["account"], row["to_addr"], letter.campaign))
+                bounces.append((row["account"], row["to_addr"], letter.campaign, row["batch"],
+                                row["id"]))
                 counts["bounced"] += 1
         self.record(results, bounces)
         run.add(counts, unreachable)

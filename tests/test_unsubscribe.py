@@ -145,3 +145,32 @@ def test_a_token_has_one_spelling_only(db):
     for variant in [f"{payload}.{mac[:-1]}{c}" for c in same_bits] + [f"{payload}.{mac}!",
                                                                        f"{payload}!.{mac}"]:
         assert campaignapi.read_unsubscribe_token(secret, variant) is None  # ...and are refused
+
+
+def test_suppression_reasons_only_grow_stronger_and_are_recorded_once(db, app):
+    """A complaint outranks an unsubscribe, which outranks a bounce; each
+    change is one statistics event, a repeat or a weaker reason none."""
+    conn = campaignapi.connect(db)
+    try:
+        with campaignapi.transaction(conn):
+            account = campaignapi._account_for(conn, "owner@example.com")
+            ds = conn.execute("INSERT INTO datasource (owner, name) VALUES (?, 'l')",
+                              (account,)).lastrowid
+            conn.execute("INSERT INTO recipient (datasource, email) VALUES (?, 'a@example.org')",
+                         (ds,))
+        steps = [("bounced", True, "bounced"), ("bounced", False, "bounced"),
+                 ("unsubscribed", True, "unsubscribed"), ("bounced", False, "unsubscribed"),
+                 ("complained", True, "complained"), ("unsubscribed", False, "complained")]
+        for reason, changes, status in steps:
+            pending = []
+            with campaignapi.transaction(conn):
+                assert campaignapi.suppress(conn, account, "a@example.org", reason, 7, batch=3,
+                                            pending=pending) is changes
+            assert [kind for kind, _ in pending] == ([f"recipient.{reason}"] if changes else [])
+            assert conn.execute("SELECT status FROM recipient").fetchone()[0] == status
+            assert conn.execute("SELECT reason FROM suppression").fetchone()[0] == status
+        assert [tuple(row) for row in conn.execute(
+            "SELECT kind, campaign, batch FROM event ORDER BY id")] == [
+            ("bounce", 7, 3), ("unsubscribe", 7, 3), ("complaint", 7, 3)]
+    finally:
+        conn.close()
