@@ -27,7 +27,7 @@ __all__ = [
     "create_app", "main", "DEFAULT_CONFIG",
     "create_key", "list_keys", "revoke_key", "LEVELS",
     "connect", "transaction", "init_db",
-    "process_due", "deliver", "run_worker", "dkim_signer", "enqueue_email",
+    "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue_email",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "Unauthorized", "InsufficientAccess", "NotFound", "MethodNotAllowed",
@@ -38,6 +38,7 @@ import argparse
 import base64
 import binascii
 import codecs
+import concurrent.futures
 import contextlib
 import csv
 import datetime
@@ -1683,6 +1684,7 @@ class Resource:
         subset; ``filters``: ``{"param:type": SQL with one ?}``, listing filters.
     :param after_create, after_change: ``hook(call, id)``, and ``on_delete``:
         ``hook(call, row)`` before the row goes; all in the request's transaction.
+        A dict that after_create returns joins Create's answer (a secret shown once).
     :param soft_delete: Delete sets ``deleted`` (the record stays) instead of
         removing the row; ``stamped``: the table has ``created``.
     :param answer: the answer's key (default ``name``); ``one_as_list``: one
@@ -1826,9 +1828,10 @@ class Resource:
             values["created"] = _now()
         values.update(self.values(call, None))
         new_id = insert_record(call.conn, self.table, id, values)
+        answer = {"id": str(new_id)}
         if self.after_create:
-            self.after_create(call, new_id)
-        return {"id": str(new_id)}
+            answer.update(self.after_create(call, new_id) or {})
+        return answer
 
     def change(self, call, id):
         row = self._find_one(call, id, "change")
@@ -2445,8 +2448,9 @@ def _import_create(call, child_id):
         "updated": importer.updated, "skipped": importer.skipped,
         "errors": _to_json(importer.errors), "finished": _now()})
     call.conn.execute("DELETE FROM temp.import_touched")
-    _notify_import(call, datasource, call.conn.execute("SELECT * FROM import WHERE id = ?",
-                                                       (import_id,)).fetchone())
+    row = call.conn.execute("SELECT * FROM import WHERE id = ?", (import_id,)).fetchone()
+    call.emit("import.finished", _import_record(call, row))
+    _notify_import(call, datasource, row)
     return {"id": str(import_id)}
 
 
@@ -2534,6 +2538,7 @@ def _run_export(call):
                          "WHERE id = ?", (rows, path, _now(), export_id))
             row = conn.execute("SELECT * FROM export WHERE id = ?", (export_id,)).fetchone()
             _notify_export(call, datasource, row)
+            call.emit("export.finished", _export_record(call, row))
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(path)
@@ -3281,7 +3286,7 @@ def _campaign_send(call, child_id):
     return {"id": str(batch)}
 
 
-def process_due(db, now=None):
+def process_due(db, now=None, on_event=None):
     """Make every batch that is due: queue one email per address in the outbox.
 
     Recipients are resolved in SQL: the campaign's segments in priority order,
@@ -3290,13 +3295,17 @@ def process_due(db, now=None):
     addresses skipped.  Each batch is made in one transaction, so a crash
     leaves it to be made again whole, and the unique index means a second run
     never queues an address twice.  Also marks sending batches whose emails
-    are all delivered as sent.
+    are all delivered as sent.  Raises ``batch.started`` and ``batch.sent``
+    in the transactions that make and finish a batch.
 
     :param db: the database path (or an open connection).
     :param now: the current time, 'YYYY-MM-DD HH:MM:SS' UTC (tests pass it).
+    :param on_event: the application's callback ``on_event(kind, payload)``,
+        called after each of those transactions has committed (see emit()).
     :returns: the number of batches made.
     """
     conn = connect(db) if isinstance(db, str) else db
+    pending = [] if on_event else None
     try:
         now = now or _now()
         made = 0
@@ -3311,23 +3320,36 @@ def process_due(db, now=None):
                 batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled'",
                                      (batch["id"],)).fetchone()
                 if batch is not None:
-                    _make_batch(conn, batch, now)
+                    _make_batch(conn, batch, now, pending)
                     made += 1
+            if pending:
+                run_callbacks(on_event, pending)
         # The worker calls this every second: take the write lock only when
         # some batch is still sending.
         if conn.execute("SELECT 1 FROM batch WHERE status = 'sending' LIMIT 1").fetchone():
             with transaction(conn):
-                conn.execute(
-                    "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' AND "
-                    "NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.batch = batch.id "
-                    "AND outbox.status IN ('queued', 'sending'))", (now,))
+                for batch in conn.execute(
+                        "UPDATE batch SET status = 'sent', finished = ? WHERE status = 'sending' "
+                        "AND NOT EXISTS (SELECT 1 FROM outbox WHERE outbox.batch = batch.id "
+                        "AND outbox.status IN ('queued', 'sending')) RETURNING *",
+                        (now,)).fetchall():
+                    _batch_event(conn, batch, "batch.sent", pending)
+            if pending:
+                run_callbacks(on_event, pending)
         return made
     finally:
         if isinstance(db, str):
             conn.close()
 
 
-def _make_batch(conn, batch, now):
+def _batch_event(conn, batch, kind, pending):
+    """Raise ``kind`` for the batch row, with its record (without messages)."""
+    owner = conn.execute("SELECT owner FROM campaign WHERE id = ?",
+                         (batch["campaign"],)).fetchone()[0]
+    emit(conn, owner, kind, _batch_record(conn, batch, with_messages=False), pending)
+
+
+def _make_batch(conn, batch, now, pending=None):
     campaign = conn.execute("SELECT * FROM campaign WHERE id = ?", (batch["campaign"],)).fetchone()
     if campaign["deleted"] or not campaign["enabled"]:
         conn.execute("UPDATE batch SET status = 'cancelled', finished = ? WHERE id = ?",
@@ -3350,6 +3372,8 @@ def _make_batch(conn, batch, now):
                           (batch["id"],)).fetchone()[0]
     conn.execute("UPDATE batch SET status = 'sending', recipients = ? WHERE id = ?",
                  (queued, batch["id"]))
+    _batch_event(conn, conn.execute("SELECT * FROM batch WHERE id = ?", (batch["id"],)).fetchone(),
+                 "batch.started", pending)
     log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
 
 
@@ -4822,6 +4846,7 @@ class _Courier:
         Called before every SMTP attempt, so an email the server accepted is
         never more than one attempt away from being recorded: a worker
         killed mid-chunk leaves only its one attempting row in doubt."""
+        pending = [] if self.run.on_event else None
         with transaction(self.conn):
             self.conn.executemany(
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
@@ -4829,12 +4854,14 @@ class _Courier:
                 "attempt_started = NULL WHERE id = ?", results)
             for account, address, campaign, batch, outbox in bounces:
                 suppress(self.conn, account, address, "bounced", campaign, batch=batch,
-                         outbox=outbox)
+                         outbox=outbox, pending=pending)
             if attempting is not None:
                 self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
                                   (_now(), attempting))
         results.clear()
         bounces.clear()
+        if pending:
+            run_callbacks(self.run.on_event, pending)
 
     # Building the emails.
 
@@ -5036,13 +5063,15 @@ class _Run:
     """What the connections of one deliver() call share."""
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
-                 sign, public_url, mail_from, secret, max_attempts, timeout, now, stop):
+                 sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
+                 on_event=None):
         self.db = db
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
         self.rate, self.chunk, self.worker_id, self.sign = rate, chunk, worker_id, sign
         self.public_url, self.mail_from, self.secret = public_url, mail_from, secret
         self.max_attempts, self.timeout, self.now, self.stop = max_attempts, timeout, now, stop
+        self.on_event = on_event
         self.pace = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
@@ -5077,7 +5106,7 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None, stale_claim=STALE_CLAIM):
+            stop=None, stale_claim=STALE_CLAIM, on_event=None):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
@@ -5107,6 +5136,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
     :param stale_claim: how old a claim must be (a timedelta) before it counts as a dead
         worker's; it must be longer than any live worker takes over one chunk.
+    :param on_event: called with the ``recipient.bounced`` events of hard
+        bounces after their commit (see emit()).
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = smtp_address(smtp)
@@ -5144,7 +5175,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
         mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
-        stop=stop or threading.Event())
+        stop=stop or threading.Event(), on_event=on_event)
     couriers = [_Courier(run) for _ in range(max(1, connections))]
     if len(couriers) == 1:
         couriers[0].deliver()
@@ -5189,18 +5220,32 @@ def _repeat(stop, interval, step, name):
             stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
 
 
-def run_worker(db, stop_event, smtp=None, *, interval=1.0, **delivery):
+def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
+               webhook_allow_private=False, **delivery):
     """The background work, until ``stop_event`` is set: make due batches
-    (process_due) and, when ``smtp`` is given, deliver the outbox (deliver()
-    with ``delivery`` options).  Without SMTP the outbox fills and waits.
+    (process_due), post stored events to webhooks (deliver_webhooks) and,
+    when ``smtp`` is given, deliver the outbox (deliver() with ``delivery``
+    options).  Without SMTP the outbox fills and waits.
 
     :param interval: seconds between looks for due work when idle.
+    :param on_event: the application's callback for the events the worker
+        raises (batch.started, batch.sent, recipient.bounced), called after
+        their commit.  Only a worker thread in the application's own process
+        can call it: a worker started as its own process (``campaignapi.py
+        worker``) has no callback, and services learn of those events by webhook.
+    :param webhook_allow_private: the setting of that name.
     """
     def make_batches():
-        return process_due(db) > 0
+        return process_due(db, on_event=on_event) > 0
+
+    def deliver_events():
+        counts = deliver_webhooks(db, allow_private=webhook_allow_private, stop=stop_event)
+        if any(counts.values()):
+            log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+        return any(counts.values())
 
     def deliver_outbox():
-        counts = deliver(db, smtp, stop=stop_event, **delivery)
+        counts = deliver(db, smtp, stop=stop_event, on_event=on_event, **delivery)
         if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
             log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
                                                 if v and k != "error"))
@@ -5208,7 +5253,8 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, **delivery):
             raise ConnectionError(counts["error"])
         return counts["sent"] + counts["failed"] + counts["retried"] > 0
 
-    steps = [("batches", make_batches)] + ([("delivery", deliver_outbox)] if smtp else [])
+    steps = [("batches", make_batches), ("webhooks", deliver_events)] + (
+        [("delivery", deliver_outbox)] if smtp else [])
     threads = [threading.Thread(target=_repeat, args=(stop_event, interval, step, name),
                                 name=f"campaignapi-{name}", daemon=True) for name, step in steps]
     for thread in threads:
@@ -6034,6 +6080,202 @@ def read_sendgrid(body, signature_header, timestamp_header, public_key):
 
 
 # ---------------------------------------------------------------------------
+# Webhooks: the record kind, and the worker's delivery of stored events
+# ---------------------------------------------------------------------------
+#
+# emit() stores each event with one hook_delivery row per webhook that wants
+# it.  The worker posts them: only the oldest pending delivery of a webhook
+# is ever claimed (in order per webhook), claims are leases (a dead worker's
+# come back after HOOK_LEASE), and every try of one delivery sends the same
+# webhook-id and body, signed afresh with the time of the try.
+
+#: Seconds one POST may take, DNS and connecting included.
+HOOK_TIMEOUT = 10.0
+#: A claim older than this is a dead worker's: the delivery is taken back.
+#: Much longer than a live worker holds one (one round of posts, HOOK_TIMEOUT).
+HOOK_LEASE = datetime.timedelta(seconds=60)
+#: After a failed try: again HOOK_RETRY_BASE * 2**(tries - 1) seconds later,
+#: at most HOOK_RETRY_CAP apart, until HOOK_GIVE_UP after the event; then failed.
+HOOK_RETRY_BASE, HOOK_RETRY_CAP = 30, 3600
+HOOK_GIVE_UP = datetime.timedelta(hours=24)
+#: Deliveries posted at once (to different webhooks) by one deliver_webhooks().
+HOOK_CONNECTIONS = 8
+
+_HOOK_COUNTS = ("delivered", "retried", "failed")
+
+
+def _webhook_record(call, row):
+    return {"id": str(row["id"]), "owner": str(row["owner"]), "url": row["url"],
+            "events": json.loads(row["events"]), "enabled": str(row["enabled"]),
+            "lastattempt": row["lastattempt"], "lasterror": row["lasterror"],
+            "failures": str(row["failures"]), "created": row["created"],
+            "deleted": str(row["deleted"])}
+
+
+def _webhook_values(call, row):
+    """The columns of a create or change; a new webhook gets its secret."""
+    values = _columns(call, ("enabled",))
+    if "url" in call.params:
+        # The DNS lookup runs in the request's transaction: bounded, and short.
+        try:
+            check_webhook_url(call.params["url"], timeout=5.0,
+                              allow_private=call.service.config["webhook_allow_private"])
+        except ValueError as error:
+            raise InvalidParameter(str(error), field="url") from None
+        values["url"] = call.params["url"]
+    if "events" in call.params:
+        events = call.params["events"]
+        unknown = [kind for kind in events if kind not in EVENT_KINDS]
+        if unknown:
+            raise InvalidParameter(
+                f"'events' lists kinds that do not exist: {_to_json(unknown[:5])[1:-1]}; "
+                f"leave it empty for every kind.", field="events", allowed=list(EVENT_KINDS))
+        values["events"] = _to_json(list(dict.fromkeys(events)))
+    if row is None:
+        values["secret"] = new_webhook_secret()
+    return values
+
+
+def _webhook_secret(call, webhook_id):
+    # Create answers the signing secret, once; no record ever shows it again.
+    return {"secret": call.conn.execute("SELECT secret FROM webhook WHERE id = ?",
+                                        (webhook_id,)).fetchone()[0]}
+
+
+def _abandon_deliveries(call, row):
+    """A deleted webhook is called no more: its pending deliveries fail."""
+    call.conn.execute(
+        "UPDATE hook_delivery SET status = 'failed', error = 'the webhook was deleted', "
+        "finished = ?, claimed_by = NULL, claimed_at = NULL "
+        "WHERE webhook = ? AND status = 'pending'", (_now(), row["id"]))
+
+
+WEBHOOK = Resource(
+    "webhook", "webhook", _webhook_record, columns="url:str events:list enabled:flag",
+    required="url", values=_webhook_values, after_create=_webhook_secret,
+    on_delete=_abandon_deliveries,
+    select="id, owner, url, events, enabled, lastattempt, lasterror, failures, created, deleted")
+
+
+def deliver_webhooks(db, *, allow_private=False, timeout=HOOK_TIMEOUT, lease=HOOK_LEASE,
+                     connections=HOOK_CONNECTIONS, now=None, worker_id=None, stop=None):
+    """Post the stored events that are due to their webhooks; returns counts.
+
+    Only the oldest pending delivery of each enabled webhook is claimed, so a
+    webhook gets its events in the order they were raised, one at a time;
+    those of different webhooks go out in parallel.  A claim is a lease: one
+    older than ``lease`` belongs to a worker that died and is taken back (its
+    post may have arrived: delivery is at least once, and receivers tell a
+    repeat by its ``webhook-id``).  A 2xx answer delivers; anything else
+    (another status, a redirect, no answer in time, a refused address) is
+    tried again with the same id and body, 30 seconds later, doubling up to an
+    hour apart, until 24 hours after the event; then the delivery fails and
+    counts in the webhook's ``failures``.  Every try sets the webhook's
+    ``lastattempt`` and ``lasterror``.
+
+    :param db: the database path.
+    :param allow_private: the setting ``webhook_allow_private``.
+    :param timeout: seconds one post may take (less than ``lease``).
+    :param lease: how old a claim must be (a timedelta) to count as a dead worker's.
+    :param connections: deliveries posted at once (to different webhooks).
+    :param now: deliver what is due at this time (a datetime or stored text),
+        and count the retry schedule from it; default: now.
+    :param worker_id: names this worker in its claims; default host:pid:random.
+    :param stop: a threading.Event; when set, no further round is claimed.
+    :returns: ``{"delivered", "retried", "failed": n}``.
+    """
+    if timeout >= lease.total_seconds():
+        raise ValueError("the lease must be longer than the timeout of one post")
+    worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    counts = dict.fromkeys(_HOOK_COUNTS, 0)
+    conn = connect(db)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(
+                max(1, connections), thread_name_prefix="campaignapi-webhook") as pool:
+            while not (stop and stop.is_set()):
+                attempted = _time_text(now)
+                rows = _claim_deliveries(conn, worker_id, attempted, lease, max(1, connections))
+                if not rows:
+                    break
+                answers = pool.map(lambda row: _post_event(row, allow_private, timeout), rows)
+                _record_deliveries(conn, worker_id, attempted, zip(rows, answers), counts)
+    finally:
+        conn.close()
+    return counts
+
+
+def _claim_deliveries(conn, worker_id, due, lease, limit):
+    """Claim up to ``limit`` due deliveries, each the oldest pending one of
+    its webhook, with what posting them needs."""
+    stale = (datetime.datetime.now(datetime.timezone.utc) - lease).strftime("%Y-%m-%d %H:%M:%S")
+    # Read first: an idle worker looks every second and should not take the
+    # write lock each time.
+    if not conn.execute("SELECT 1 FROM hook_delivery WHERE status = 'pending' AND next_try <= ? "
+                        "LIMIT 1", (due,)).fetchone():
+        return []
+    with transaction(conn):
+        ids = [row[0] for row in conn.execute(
+            "SELECT d.id FROM hook_delivery d WHERE d.status = 'pending' AND d.next_try <= ? "
+            "AND (d.claimed_at IS NULL OR d.claimed_at < ?) "
+            "AND d.id = (SELECT min(e.id) FROM hook_delivery e "
+            "            WHERE e.webhook = d.webhook AND e.status = 'pending') "
+            "AND EXISTS (SELECT 1 FROM webhook w WHERE w.id = d.webhook "
+            "            AND w.enabled = 1 AND w.deleted = 0) "
+            f"ORDER BY d.next_try, d.id LIMIT ? {conn.sql['skip_locked']}",
+            (due, stale, limit)).fetchall()]
+        if not ids:
+            return []
+        marks = ", ".join("?" for _ in ids)
+        conn.execute(f"UPDATE hook_delivery SET claimed_by = ?, claimed_at = ? "
+                     f"WHERE id IN ({marks})", (worker_id, _now(), *ids))
+        return conn.execute(
+            "SELECT d.id, d.attempts, d.created, d.event, e.payload, w.id AS webhook, w.url, "
+            "w.secret FROM hook_delivery d JOIN hook_event e ON e.id = d.event "
+            f"JOIN webhook w ON w.id = d.webhook WHERE d.id IN ({marks}) ORDER BY d.id",
+            ids).fetchall()
+
+
+def _post_event(row, allow_private, timeout):
+    """One try: ``(status, error)`` as post_webhook() answers."""
+    body = row["payload"].encode("utf-8")
+    try:
+        headers = sign_webhook(row["secret"], f"msg_{row['event']}", time.time(), body)
+    except ValueError as error:    # a secret written into the database by hand
+        return None, str(error)
+    return post_webhook(row["url"], headers, body, allow_private=allow_private, timeout=timeout)
+
+
+def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
+    """Write the tries of one round: the deliveries and their webhooks."""
+    with transaction(conn):
+        for row, (_status, error) in outcomes:
+            tries = row["attempts"] + 1
+            deadline = _shift(row["created"], HOOK_GIVE_UP.total_seconds())
+            next_try = None
+            if error is None:
+                state = counted = "delivered"
+            elif attempted >= deadline:
+                state = counted = "failed"
+            else:
+                state, counted = "pending", "retried"
+                delay = min(HOOK_RETRY_BASE * 2 ** (tries - 1), HOOK_RETRY_CAP)
+                next_try = min(_shift(attempted, delay), deadline)
+            # Only while the claim is still ours: a webhook deleted meanwhile
+            # failed the delivery already.
+            changed = conn.execute(
+                "UPDATE hook_delivery SET status = ?, attempts = ?, "
+                "next_try = coalesce(?, next_try), error = ?, finished = ?, claimed_by = NULL, "
+                "claimed_at = NULL WHERE id = ? AND claimed_by = ? AND status = 'pending'",
+                (state, tries, next_try, error, None if state == "pending" else attempted,
+                 row["id"], worker_id)).rowcount
+            if changed:
+                conn.execute("UPDATE webhook SET lastattempt = ?, lasterror = ?, "
+                             "failures = failures + ? WHERE id = ?",
+                             (attempted, error, int(state == "failed"), row["webhook"]))
+                counts[counted] += 1
+
+
+# ---------------------------------------------------------------------------
 # OpenAPI
 # ---------------------------------------------------------------------------
 
@@ -6101,6 +6343,11 @@ RECORD_SCHEMAS = {
         messages={"type": "array", "items": {"type": "object"}}),
     "archive": _record_schema("id campaign batches sent failed unsubscribed",
                               batches={"type": "array", "items": {"type": "object"}}),
+    "webhook": _record_schema(
+        "id owner url events enabled lastattempt lasterror failures created deleted",
+        events={"type": "array", "items": {"enum": list(EVENT_KINDS)},
+                "description": "the kinds it gets; empty: every kind"},
+        enabled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
 }
 
 #: Success data of a create: the new record's id.
@@ -6108,6 +6355,10 @@ ANSWER_ID = {"type": "object", "required": ["id"],
              "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
 #: Success data of a change or a delete.
 ANSWER_DONE = {"const": True}
+#: Success data of a webhook's create: its id and its signing secret, shown once.
+_ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
+                   "properties": {**ANSWER_ID["properties"],
+                                  "secret": {"type": "string", "pattern": "^whsec_"}}}
 
 
 def records_answer(key, kind):
@@ -6394,6 +6645,13 @@ ROUTES = [
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
+    # Webhooks: stored events posted to services elsewhere, signed
+    Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),
+    Route("PUT",    "/webhook/{id}", "create", WEBHOOK.create, answers=_ANSWER_WEBHOOK,
+          summary="Create webhook (answers its signing secret, once)"),
+    Route("POST",   "/webhook/{id}", "write",  WEBHOOK.change),
+    Route("DELETE", "/webhook/{id}", "delete", WEBHOOK.delete),
+
     # Public routes (no key): the OpenAPI document, downloads, unsubscribe
     Route("GET",    "/openapi.json", None, _openapi_get,
           summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
@@ -6679,7 +6937,8 @@ def _cmd_serve(args):
         options["public_url"] = public_url
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
-            app = create_app(args.db, public_url=public_url, max_body=args.max_body)
+            app = create_app(args.db, public_url=public_url, max_body=args.max_body,
+                             webhook_allow_private=args.webhook_allow_private)
     finally:
         for sock in sockets:
             sock.close()
@@ -6761,6 +7020,9 @@ def _add_delivery_options(parser):
                        help="the public key is published at SELECTOR._domainkey.DOMAIN")
     group.add_argument("--dkim-key", default=None, metavar="PATH",
                        help="the RSA private key, PEM")
+    parser.add_argument("--webhook-allow-private", action="store_true",
+                        help="webhook URLs may point at loopback and private addresses "
+                             "(never at cloud metadata ones) (default: off)")
 
 
 #: What a DKIM key must be able to sign at start-up (so a bad key fails there).
@@ -6796,7 +7058,8 @@ def _worker_options(args):
         dkim = _dkim_settings(*given)
     return {"smtp": args.smtp, "starttls": args.starttls, "username": args.smtp_user,
             "password": args.smtp_password, "connections": args.connections, "rate": args.rate,
-            "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or ""}
+            "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or "",
+            "webhook_allow_private": args.webhook_allow_private}
 
 
 def _cmd_key(args):

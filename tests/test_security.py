@@ -94,7 +94,11 @@ VALID = {
     ("POST", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessageid": 1, "priority": 5},
     ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": 1},
     ("PUT", "/campaign/{parent_id}/send/{child_id}"): {"timestamp": 0},
+    ("POST", "/webhook/{id}"): {"url": "https://1.1.1.1/taken-over", "enabled": 1},
 }
+
+#: A public address literal: valid without webhook_allow_private, no DNS, never called here.
+WEBHOOK_URL = "https://1.1.1.1/hook"
 
 #: Top-level creates name a new id: at another account's id they are 409 (ids are global).
 CREATES = [r for r in KEYED_ROUTES if r.method == "PUT" and r.path.count("{") == 1]
@@ -104,6 +108,7 @@ NAMING = [r for r in KEYED_ROUTES if r not in CREATES]
 @pytest.fixture
 def world(api, db):
     ids = build_world(api)
+    ids["webhook"] = api.put("/webhook/0", url=WEBHOOK_URL)["id"]
     campaignapi.process_due(db)
     assert set(ids.values()) == {"1"}
     return ids
@@ -144,7 +149,8 @@ def test_another_accounts_records_are_404_on_every_route_and_unchanged(
 @pytest.mark.parametrize("route", CREATES, ids=route_id)
 def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other, world, db,
                                                                   route):
-    params = {"name": "x", "accountprofile": 1} if "campaign" in route.path else {"name": "x"}
+    params = {"name": "x", "accountprofile": 1} if "campaign" in route.path else \
+        {"url": WEBHOOK_URL} if "webhook" in route.path else {"name": "x"}
     before = snapshot(db)
     response = send(client, route.method, filled(route), other, params)
     assert_clean_error(response, 409, "conflict")
