@@ -329,3 +329,67 @@ def reference_fill(template, values, as_html=False):
         return html.escape(value, quote=True) if as_html else value
 
     return re.sub(r"\{\{\s*([^{}]*?)\s*\}\}", one, template or "")
+
+
+# --- webhooks --------------------------------------------------------------------------------
+
+class EventReceiver:
+    """A webhook receiver on loopback built with the Standard Webhooks library:
+    every call is verified with ``secret`` (set it once the webhook is made)
+    and kept in ``calls`` as ``{"id", "headers", "body", "payload", "error",
+    "status"}``: ``payload`` the verified JSON (None and ``error`` when the
+    call does not verify), ``status`` what was answered (None: no answer).
+
+    :param plan: ``plan(call) -> status`` to answer, or ``-> action(handler)``
+        that answers (or not) itself; default: 204 to everything.
+    """
+
+    def __init__(self, plan=None):
+        from signedhelpers import Receiver
+
+        self.secret, self.calls = None, []
+        self.plan = plan or (lambda call: 204)
+        self.receiver = Receiver(self._respond)
+        self.release = self.receiver.release    # set on exit: frees handlers that wait on it
+
+    def _respond(self, handler):
+        from signedhelpers import answer
+        from standardwebhooks import Webhook, WebhookVerificationError
+
+        headers = dict(handler.headers)
+        call = {"id": headers.get("webhook-id"), "headers": headers, "body": handler.body,
+                "payload": None, "error": None, "status": None}
+        try:
+            call["payload"] = Webhook(self.secret).verify(handler.body, headers)
+        except WebhookVerificationError as error:
+            call["error"] = str(error)
+        self.calls.append(call)
+        action = self.plan(call)
+        if callable(action):
+            action(handler)
+        else:
+            answer(handler, action)
+            call["status"] = action
+
+    def url(self, path="/hook"):
+        return self.receiver.url(path)
+
+    def acknowledged(self):
+        """The verified payloads answered with a 2xx, in arrival order."""
+        return [call["payload"] for call in self.calls
+                if call["status"] and 200 <= call["status"] < 300 and call["payload"]]
+
+    def __enter__(self):
+        self.receiver.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.receiver.__exit__(*exc)
+
+
+def make_webhook(api, receiver, **params):
+    """A webhook of the api's account calling ``receiver`` (whose secret it
+    sets); its id (int)."""
+    made = api.put("/webhook/0", url=receiver.url(), **params)
+    receiver.secret = made["secret"]
+    return int(made["id"])
