@@ -16,11 +16,12 @@ import time
 import pytest
 
 import campaignapi
+from clihelpers import served
 from conftest import Api
-from helpers import (EventReceiver, assert_error, build_world, database, import_csv, keyed_client,
-                     make_campaign, make_datasource, make_webhook, scalar, send, snapshot,
+from helpers import (EventReceiver, assert_error, build_world, database, http, import_csv,
+                     keyed_client, make_datasource, make_webhook, scalar, send, snapshot,
                      wait_for)
-from signedhelpers import Receiver, answer
+from signedhelpers import answer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSV = "email,first\nann@example.com,Ann\nbob@example.com,Bob\n"
@@ -291,12 +292,13 @@ def test_a_huge_answer_is_not_read(hooks, db):
 
 
 def test_a_redirect_is_not_followed(hooks, db):
-    with EventReceiver() as target:
-        with EventReceiver(lambda call: lambda handler: answer(
-                handler, 307, headers=[("Location", target.url())])) as hop:
-            make_webhook(hooks, hop)
-            import_csv(hooks, make_datasource(hooks), "email\nann@example.com\n")
-            assert deliver(db)["retried"] == 1
+    target = EventReceiver()
+    hop = EventReceiver(lambda call: lambda handler: answer(
+        handler, 307, headers=[("Location", target.url())]))
+    with target, hop:
+        make_webhook(hooks, hop)
+        import_csv(hooks, make_datasource(hooks), "email\nann@example.com\n")
+        assert deliver(db)["retried"] == 1
     assert len(hop.calls) == 1 and target.calls == []
     assert target.receiver.connections == 0
     assert "redirect" in webhook(hooks, 1)["lasterror"]
@@ -477,7 +479,7 @@ def test_a_killed_workers_claim_comes_back_after_the_lease(hooks, db):
         time.sleep(3.1)
         counts = deliver(db, lease=datetime.timedelta(seconds=2), timeout=1)
     assert counts == {"delivered": 2, "retried": 0, "failed": 0}
-    first, again, second = receiver.calls
+    first, again, _second = receiver.calls
     assert (first["id"], first["body"]) == (again["id"], again["body"])
     assert [p["data"]["name"] for p in receiver.acknowledged()] == ["first", "second"]
     assert all(call["error"] is None for call in receiver.calls)
@@ -487,3 +489,19 @@ def test_the_lease_must_outlast_one_post(db):
     campaignapi.init_db(db)
     with pytest.raises(ValueError, match="lease"):
         campaignapi.deliver_webhooks(db, timeout=60)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_serve_allows_loopback_webhooks_only_with_the_flag(tmp_path, allowed):
+    flags = ["--webhook-allow-private"] if allowed else []
+    with served("--db", str(tmp_path / "cli.db"), *flags, cwd=tmp_path) as server:
+        status, _, body = http(f"http://127.0.0.1:{server.port}/v1/webhook/0", "PUT",
+                               {"url": "http://127.0.0.1:9/hook"},
+                               {"Authorization": f"Bearer {server.secret}"})
+    data = json.loads(body)["data"]
+    if allowed:
+        assert status == 200 and data["secret"].startswith("whsec_")
+    else:
+        assert status == 400 and "a loopback address" in data["message"]
