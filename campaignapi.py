@@ -6208,21 +6208,21 @@ def _claim_deliveries(conn, worker_id, due, lease, limit):
     """Claim up to ``limit`` due deliveries, each the oldest pending one of
     its webhook, with what posting them needs."""
     stale = (datetime.datetime.now(datetime.timezone.utc) - lease).strftime("%Y-%m-%d %H:%M:%S")
+    claimable = (
+        "SELECT d.id FROM hook_delivery d WHERE d.status = 'pending' AND d.next_try <= ? "
+        "AND (d.claimed_at IS NULL OR d.claimed_at < ?) "
+        "AND d.id = (SELECT min(e.id) FROM hook_delivery e "
+        "            WHERE e.webhook = d.webhook AND e.status = 'pending') "
+        "AND EXISTS (SELECT 1 FROM webhook w WHERE w.id = d.webhook "
+        "            AND w.enabled = 1 AND w.deleted = 0) "
+        "ORDER BY d.next_try, d.id LIMIT ?")
     # Read first: an idle worker looks every second and should not take the
     # write lock each time.
-    if not conn.execute("SELECT 1 FROM hook_delivery WHERE status = 'pending' AND next_try <= ? "
-                        "LIMIT 1", (due,)).fetchone():
+    if not conn.execute(claimable, (due, stale, 1)).fetchone():
         return []
     with transaction(conn):
-        ids = [row[0] for row in conn.execute(
-            "SELECT d.id FROM hook_delivery d WHERE d.status = 'pending' AND d.next_try <= ? "
-            "AND (d.claimed_at IS NULL OR d.claimed_at < ?) "
-            "AND d.id = (SELECT min(e.id) FROM hook_delivery e "
-            "            WHERE e.webhook = d.webhook AND e.status = 'pending') "
-            "AND EXISTS (SELECT 1 FROM webhook w WHERE w.id = d.webhook "
-            "            AND w.enabled = 1 AND w.deleted = 0) "
-            f"ORDER BY d.next_try, d.id LIMIT ? {conn.sql['skip_locked']}",
-            (due, stale, limit)).fetchall()]
+        ids = [row[0] for row in conn.execute(f"{claimable} {conn.sql['skip_locked']}",
+                                              (due, stale, limit)).fetchall()]
         if not ids:
             return []
         marks = ", ".join("?" for _ in ids)
