@@ -3676,9 +3676,10 @@ def _unsubscribe_subject(call, token):
                       email["outbox"])
 
 
-def _unsubscribed_page(address):
-    return _page_response("Unsubscribed", (
-        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails.</p>"))
+def _unsubscribed_page(address, already=False):
+    return _page_response("Already unsubscribed" if already else "Unsubscribed", (
+        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails"
+        f"{' since an earlier visit: nothing more to do' if already else ''}.</p>"))
 
 
 def _unsubscribe_page(call, token):
@@ -3691,7 +3692,7 @@ def _unsubscribe_page(call, token):
         "SELECT 1 FROM suppression WHERE account = ? AND email = ? "
         "AND reason IN ('unsubscribed', 'complained')", (account, address)).fetchone()
     if done:
-        return _unsubscribed_page(address)
+        return _unsubscribed_page(address, already=True)
     return _page_response("Unsubscribe", (
         f"<p>Stop sending emails to <strong>{html.escape(address)}</strong>?</p>"
         '<form method="post"><input type="hidden" name="List-Unsubscribe" value="One-Click">'
