@@ -3630,36 +3630,46 @@ def email_unsubscribe_url(secret, base, email_id):
     return f"{base.rstrip('/')}/v1/unsubscribe/{sign_token(secret, 'unsubscribe', email_id)}"
 
 
+_CAMPAIGN_EMAIL = (
+    "SELECT o.id AS outbox, o.account, o.to_addr AS email, o.batch, o.message, o.recipient, "
+    "b.campaign{} FROM outbox o JOIN batch b ON b.id = o.batch{} "
+    "WHERE o.id = ? AND o.kind = 'campaign'")
+
+
 def _campaign_email(conn, secret, purpose, token, size=1):
     """The campaign email a token of ``purpose`` names (its first number), as
     ``(row, numbers)``: the row has outbox, account, email, batch, message,
-    recipient and campaign; ``(None, None)`` for a token that is not ours or
-    names no campaign email (never an exception: tokens come from the public)."""
+    recipient and campaign, and for a click token (two numbers: the email,
+    the link's index) the link's stored ``url``.  ``(None, None)`` for a
+    token that is not ours or names nothing we sent (never an exception:
+    tokens come from the public).  One statement."""
     numbers = read_token(secret, purpose, token)
     if numbers is None or len(numbers) != size:
         return None, None
-    row = conn.execute(
-        "SELECT o.id AS outbox, o.account, o.to_addr AS email, o.batch, o.message, o.recipient, "
-        "b.campaign FROM outbox o JOIN batch b ON b.id = o.batch "
-        "WHERE o.id = ? AND o.kind = 'campaign'", (min(numbers[0], MAX_ID),)).fetchone()
+    numbers = [min(number, MAX_ID) for number in numbers]   # beyond any id: none found
+    if size == 2:
+        row = conn.execute(_CAMPAIGN_EMAIL.format(
+            ", l.url", " JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
+            "AND l.link = ?"), (numbers[1], numbers[0])).fetchone()
+    else:
+        row = conn.execute(_CAMPAIGN_EMAIL.format("", ""), numbers).fetchone()
     return (row, numbers) if row is not None else (None, None)
 
 
 def record_event(conn, kind, email, link=None):
     """Count an open or a click of a campaign email (a row of
-    _campaign_email()) in the statistics, in a transaction of its own.
+    _campaign_email()) in the statistics: one INSERT, atomic by itself.
 
     The one place the public routes write.  A count that cannot be written
     (the database busy past its timeout) is logged and lost: the person's
     image or redirect matters more than one figure.
     """
     try:
-        with transaction(conn):
-            conn.execute(
-                "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (email["account"], kind, email["campaign"],
-                                                    email["batch"], email["outbox"],
-                                                    email["email"], link, _now()))
+        conn.execute(
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (email["account"], kind, email["campaign"],
+                                                email["batch"], email["outbox"], email["email"],
+                                                link, _now()))
     except Exception:  # noqa: BLE001 - see above
         log.exception("a %s of outbox %s could not be counted", kind, email["outbox"])
 
@@ -3730,18 +3740,16 @@ def _click(call, token):
     Anything else (forged, altered, unknown) is a 404 page: never a redirect
     to a URL the request chose."""
     email, numbers = _campaign_email(call.conn, call.service.secret, "click", token, size=2)
-    link = email and call.conn.execute(
-        "SELECT url FROM batch_link WHERE batch = ? AND message = ? AND link = ?",
-        (email["batch"], email["message"], min(numbers[1], MAX_ID))).fetchone()
-    if not link:
+    if email is None:
         return _bad_link_page("tracked")
-    recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
-                                  (email["recipient"],)).fetchone()
     values = {"email": email["email"]}
-    if recipient is not None:  # an erased recipient: the link without their values
-        values = recipient_values(datasource_fields(call.conn, recipient["datasource"]),
-                                  recipient)
-    target = click_target(link["url"], values)
+    if "{" in email["url"]:  # merge tags: the recipient's values (none when erased)
+        recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
+                                      (email["recipient"],)).fetchone()
+        if recipient is not None:
+            values = recipient_values(datasource_fields(call.conn, recipient["datasource"]),
+                                      recipient)
+    target = click_target(email["url"], values)
     record_event(call.conn, "click", email, numbers[1])
     return bottle.HTTPResponse(status=302, headers={
         "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
