@@ -311,12 +311,30 @@ def test_a_campaign_sums_its_batches(client, db, api, smtp_sink, sent):
                                   "clicked": "0"}
 
 
-def test_the_statistics_are_read_from_the_indexes(db, sent):
+def test_each_statistics_statement_reads_one_index_of_the_batch(tmp_path):
+    """On SQLite: the statements _batch_statistics() runs, as it runs them,
+    search by the batch (never a scan of the table) and read the outbox and
+    event rows from covering indexes."""
+    db = str(tmp_path / "plan.db")
+    campaignapi.init_db(db)
     with database(db) as conn:
-        for sql in ("SELECT count(*) FILTER (WHERE kind = 'open') FROM event WHERE batch = ?",
-                    "SELECT count(*) FILTER (WHERE status = 'sent') FROM outbox WHERE batch = ?"):
-            plan = " ".join(row[-1] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, (1,)))
-            assert "COVERING INDEX" in plan, plan
+        with campaignapi.transaction(conn):
+            account = campaignapi._account_for(conn, "owner@example.com")
+            conn.execute("INSERT INTO campaign (id, owner, accountprofile, name) "
+                         "VALUES (1, ?, 1, 'c')", (account,))
+            conn.execute("INSERT INTO batch (id, campaign, timestamp) VALUES (1, 1, 'x')")
+        batch, statements = conn.execute("SELECT * FROM batch").fetchone(), []
+        conn.set_trace_callback(statements.append)
+        campaignapi._batch_statistics(conn, batch)
+        conn.set_trace_callback(None)
+        assert len(statements) == 5
+        for sql in statements:
+            plan = [row[-1] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+            assert not any(step.startswith("SCAN") for step in plan), (sql, plan)
+            reads = [step for step in plan if " outbox " in step or " event " in step
+                     or step.split()[:2] == ["SEARCH", "e"]]
+            assert all("COVERING INDEX" in step or "PRIMARY KEY" in step for step in reads), \
+                (sql, plan)
 
 
 # --- pages in the real browser --------------------------------------------------------------
@@ -418,3 +436,59 @@ def test_end_to_end_send_open_click_over_http_and_smtp(app, db, auth, serve, smt
 class NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args, **kwargs):
         return None
+
+
+# --- the same SQL on both engines -----------------------------------------------------------
+
+def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
+    """The statements of the public routes and of the statistics, on SQLite
+    and PostgreSQL, over rows made by plain SQL."""
+    campaignapi.init_db(engine_db)
+    conn = campaignapi.connect(engine_db)
+    try:
+        with campaignapi.transaction(conn):
+            account = campaignapi._account_for(conn, "owner@example.com")
+            campaign = conn.execute("INSERT INTO campaign (owner, accountprofile, name, tracking) "
+                                    "VALUES (?, 1, 'c', 1)", (account,)).lastrowid
+            batch = conn.execute("INSERT INTO batch (campaign, timestamp, status, recipients, "
+                                 "tracking) VALUES (?, '2026-01-01 09:00:00', 'sent', 3, 1)",
+                                 (campaign,)).lastrowid
+            conn.execute("INSERT INTO batch_message (batch, message, subject, html, text) "
+                         "VALUES (?, 1, 's', ?, '')", (batch, HTML))
+            campaignapi._store_links(conn, batch)
+            emails = [conn.execute(
+                "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, status) "
+                "VALUES (?, 'campaign', ?, 1, 0, ?, ?)",
+                (account, batch, f"p{i}@example.com", status)).lastrowid
+                for i, status in enumerate(("sent", "sent", "failed"))]
+        secret = "s" * 64
+        token = campaignapi.sign_token(secret, "click", emails[0], 1)
+        email, numbers = campaignapi._campaign_email(conn, secret, "click", token, size=2)
+        assert (email["url"], email["email"], email["campaign"]) == (
+            "https://blog.example/post", "p0@example.com", campaign)
+        assert campaignapi._campaign_email(conn, secret, "click",
+                                           campaignapi.sign_token(secret, "click", 2**70, 0),
+                                           size=2) == (None, None)
+        campaignapi.record_event(conn, "click", email, numbers[1])
+        opened, _ = campaignapi._campaign_email(
+            conn, secret, "open", campaignapi.sign_token(secret, "open", emails[1]))
+        campaignapi.record_event(conn, "open", opened)
+        campaignapi.record_event(conn, "open", opened)
+        with campaignapi.transaction(conn):
+            campaignapi.suppress(conn, account, "p1@example.com", "unsubscribed", campaign,
+                                 batch=batch, outbox=emails[1])
+        row = conn.execute("SELECT * FROM batch WHERE id = ?", (batch,)).fetchone()
+        figures = campaignapi._batch_statistics(conn, row)
+        record = campaignapi._statistics_record(figures)
+        assert {name: record[name] for name in campaignapi.STATISTICS} == {
+            "recipients": "3", "sent": "2", "failed": "1", "bounced": "0", "complained": "0",
+            "unsubscribed": "1", "opened": "2", "opens": "2", "clicked": "1", "clicks": "1"}
+        assert record["links"] == [
+            {"url": "https://blog.example/post", "clicks": "1", "clicked": "1"},
+            {"url": "https://shop.example/sale?who={{first}}&x=1", "clicks": "0",
+             "clicked": "0"}]
+        assert [point["opens"] for point in record["timeline"]] == ["2"]
+        assert campaignapi._event_figures(conn, "campaign = ? AND batch IS NULL",
+                                          (campaign,))["unsubscribed"] == 0
+    finally:
+        conn.close()
