@@ -3722,12 +3722,18 @@ def _unsubscribe_post(call, token):
 
 # Open and click ----------------------------------------------------------------
 
+def _read_by_a_person():
+    # HEAD (Bottle answers it with the GET route) is a link checker asking
+    # whether the link works: nobody opened or clicked anything.
+    return bottle.request.method == "GET"
+
+
 def _open(call, token):
     """The open image.  Every token gets the same GIF (a broken image would
     show in the email, and the answer tells nothing about the token); only a
     valid one counts an open."""
     email, _ = _campaign_email(call.conn, call.service.secret, "open", token)
-    if email is not None:
+    if email is not None and _read_by_a_person():
         record_event(call.conn, "open", email)
     return bottle.HTTPResponse(GIF_PIXEL, 200, {
         "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0",
@@ -3750,7 +3756,8 @@ def _click(call, token):
             values = recipient_values(datasource_fields(call.conn, recipient["datasource"]),
                                       recipient)
     target = click_target(email["url"], values)
-    record_event(call.conn, "click", email, numbers[1])
+    if _read_by_a_person():
+        record_event(call.conn, "click", email, numbers[1])
     return bottle.HTTPResponse(status=302, headers={
         "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
         "Referrer-Policy": "no-referrer"})

@@ -162,6 +162,9 @@ def test_the_open_image_is_a_gif_not_cached_and_counts(client, db, sent):
         assert response.status_int == 200 and response.body == campaignapi.GIF_PIXEL
         assert response.content_type == "image/gif"
         assert "no-store" in response.headers["Cache-Control"]
+    # A link checker's HEAD gets the same answer and counts nothing.
+    assert client.head(path_of(url)).status_int == 200
+    assert client.head(path_of(links_in(sent["html"]["ann@example.com"])[0])).status_int == 302
     assert [kind for kind, *_ in events(db)] == ["open", "open"]
     assert events(db)[0][2] == "ann@example.com"
 
