@@ -3748,8 +3748,8 @@ def _click(call, token):
     email, numbers = _campaign_email(call.conn, call.service.secret, "click", token, size=2)
     if email is None:
         return _bad_link_page("tracked")
-    values = {"email": email["email"]}
-    if "{" in email["url"]:  # merge tags: the recipient's values (none when erased)
+    values = {}
+    if "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
         recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
                                       (email["recipient"],)).fetchone()
         if recipient is not None:

@@ -193,6 +193,13 @@ def test_a_click_redirects_to_the_stored_url_with_the_recipients_values(client, 
         ("click", "bob@example.com", 0)]
 
 
+def test_a_click_of_an_erased_recipient_goes_to_the_link_without_their_values(client, db, sent):
+    with database(db) as conn, campaignapi.transaction(conn):   # erased: the row is gone
+        conn.execute("DELETE FROM recipient WHERE email = 'cid@example.com'")
+    sale = links_in(sent["html"]["cid@example.com"])[0]
+    assert client.get(path_of(sale)).headers["Location"] == "https://shop.example/sale?who=&x=1"
+
+
 def test_forged_or_altered_click_tokens_are_a_404_page_and_count_nothing(client, db, app, sent):
     secret = app.config["campaignapi.service"].secret
     good = path_of(links_in(sent["html"]["ann@example.com"])[0]).rsplit("/", 1)[1]
