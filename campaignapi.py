@@ -736,6 +736,7 @@ ALTER TABLE datasource ADD COLUMN confirmmessage INTEGER;
 ALTER TABLE datasource ADD COLUMN welcomemessage INTEGER;
 ALTER TABLE datasource ADD COLUMN fromprofile INTEGER;
 ALTER TABLE campaign ADD COLUMN tracking INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1));
+ALTER TABLE batch ADD COLUMN tracking INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1));
 """),
     (2, {
         # New CHECK lists and columns: SQLite rebuilds the table as schema.sql
@@ -2840,7 +2841,7 @@ def _campaign_record(call, row):
             "scheduled": str(row["scheduled"]), "archiveemail": row["archiveemail"],
             "defaulttemplate": row["defaulttemplate"], "created": row["created"],
             "deleted": str(row["deleted"]), "thumbnail": row["thumbnail"],
-            "archiveid": str(row["id"])}
+            "archiveid": str(row["id"]), "tracking": str(row["tracking"])}
 
 
 def _campaign_values(call, row):
@@ -2870,7 +2871,7 @@ def _cancel_if_unscheduled(call, campaign_id):
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
-            "defaulttemplate:str thumbnail:str", required="name accountprofile",
+            "defaulttemplate:str thumbnail:str tracking:flag", required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",
@@ -3368,10 +3369,12 @@ def _make_batch(conn, batch, now, pending=None):
             "ORDER BY r.id",
             (account, batch["id"], link["message"], now, now, *params, account))
         _archive_message(conn, campaign, batch, link["message"])
+    if campaign["tracking"]:
+        _store_links(conn, batch["id"])
     queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
                           (batch["id"],)).fetchone()[0]
-    conn.execute("UPDATE batch SET status = 'sending', recipients = ? WHERE id = ?",
-                 (queued, batch["id"]))
+    conn.execute("UPDATE batch SET status = 'sending', recipients = ?, tracking = ? WHERE id = ?",
+                 (queued, campaign["tracking"], batch["id"]))
     _batch_event(conn, conn.execute("SELECT * FROM batch WHERE id = ?", (batch["id"],)).fetchone(),
                  "batch.started", pending)
     log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
@@ -3393,14 +3396,86 @@ def _archive_message(conn, campaign, batch, message_id):
                       html=message["html"])
 
 
-def _batch_record(conn, batch, with_messages=True):
-    counts = conn.execute(
-        "SELECT count(*), sum(status = 'sent'), sum(status = 'failed') FROM outbox "
-        "WHERE batch = ? AND kind = 'campaign'", (batch["id"],)).fetchone()
+def _store_links(conn, batch_id):
+    """Keep the links of each message of a tracked batch by index, from the
+    html as the batch sends it: a click token names (email, index) and
+    redirects only to the URL kept here.  Delivery rewrites the same html
+    with track_html(), so the indexes agree."""
+    for message in conn.execute("SELECT message, html FROM batch_message WHERE batch = ?",
+                                (batch_id,)).fetchall():
+        _, links = track_html(message["html"])
+        conn.executemany(
+            "INSERT INTO batch_link (batch, message, link, url) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            [(batch_id, message["message"], index, url) for index, url in enumerate(links)])
+
+
+#: The statistics of an archive and a batch archive that are counts, in the
+#: order the records show them (links and timeline follow).
+STATISTICS = ("recipients", "sent", "failed", "bounced", "complained", "unsubscribed", "opened",
+              "opens", "clicked", "clicks")
+
+
+def _event_figures(conn, where, args):
+    """The counts of the statistics events ``where`` (SQL on ``event``): one
+    statement.  'opened' counts the emails opened or clicked (a click is an
+    open whose image was blocked), 'clicked' the emails clicked; the others
+    count events.  Every event of an email names its batch, so per batch an
+    email is a recipient."""
+    row = conn.execute(
+        "SELECT count(*) FILTER (WHERE kind = 'bounce'), count(*) FILTER (WHERE kind = 'complaint'), "
+        "count(*) FILTER (WHERE kind = 'unsubscribe'), "
+        "count(DISTINCT outbox) FILTER (WHERE kind = 'open' OR kind = 'click'), "
+        "count(*) FILTER (WHERE kind = 'open'), count(DISTINCT outbox) FILTER (WHERE kind = 'click'), "
+        f"count(*) FILTER (WHERE kind = 'click') FROM event WHERE {where}", args).fetchone()
+    return dict(zip(STATISTICS[3:], row))
+
+
+def _batch_statistics(conn, batch):
+    """The statistics of one batch as numbers: a few statements, each read
+    from one index (outbox_batch, event_batch) however many emails it sent."""
+    # Only campaign emails name a batch, so (batch, status) is all it reads.
+    queued, sent, failed = conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'sent'), "
+        "count(*) FILTER (WHERE status = 'failed') FROM outbox WHERE batch = ?",
+        (batch["id"],)).fetchone()
+    figures = {"recipients": batch["recipients"], "queued": queued, "sent": sent,
+               "failed": failed, **_event_figures(conn, "batch = ?", (batch["id"],))}
+    # Every link of the batch, clicked or not; one URL in two messages is one link.
+    links = {row["url"]: [0, 0] for row in conn.execute(
+        "SELECT url FROM batch_link WHERE batch = ? ORDER BY message, link", (batch["id"],))}
+    for url, clicks, clicked in conn.execute(
+            "SELECT l.url, count(*), count(DISTINCT e.outbox) FROM event e "
+            "JOIN outbox o ON o.id = e.outbox JOIN batch_link l ON l.batch = e.batch "
+            "AND l.message = o.message AND l.link = e.link "
+            "WHERE e.batch = ? AND e.kind = 'click' GROUP BY l.url", (batch["id"],)):
+        links[url] = [clicks, clicked]
+    figures["links"] = links
+    figures["timeline"] = {row[0]: [row[1], row[2]] for row in conn.execute(
+        "SELECT substr(created, 1, 13), count(*) FILTER (WHERE kind = 'open'), "
+        "count(*) FILTER (WHERE kind = 'click') FROM event WHERE batch = ? "
+        "AND kind IN ('open', 'click') GROUP BY substr(created, 1, 13)", (batch["id"],))}
+    return figures
+
+
+def _statistics_record(figures):
+    """Statistics as the records answer them: every count a string, links
+    [{url, clicks, clicked}] most clicked first, timeline [{hour, opens,
+    clicks}] by hour."""
+    record = {name: str(figures[name]) for name in STATISTICS}
+    record["links"] = [{"url": url, "clicks": str(clicks), "clicked": str(clicked)}
+                       for url, (clicks, clicked) in sorted(
+                           figures["links"].items(), key=lambda item: -item[1][0])]
+    record["timeline"] = [{"hour": f"{hour}:00:00", "opens": str(opens), "clicks": str(clicks)}
+                          for hour, (opens, clicks) in sorted(figures["timeline"].items())]
+    return record
+
+
+def _batch_record(conn, batch, with_messages=True, figures=None):
+    figures = figures or _batch_statistics(conn, batch)
     record = {"id": str(batch["id"]), "campaign": str(batch["campaign"]),
               "timestamp": batch["timestamp"], "status": batch["status"],
-              "recipients": str(batch["recipients"]), "queued": str(counts[0]),
-              "sent": str(counts[1] or 0), "failed": str(counts[2] or 0),
+              "queued": str(figures["queued"]), **_statistics_record(figures),
               "created": batch["created"], "finished": batch["finished"]}
     if with_messages:
         record["messages"] = [
@@ -3415,21 +3490,38 @@ BATCH = Resource("batcharchive", "batch", lambda call, row: _batch_record(call.c
 
 
 def _archive_get(call, child_id):
+    """The campaign's archive: its batches and the statistics of them all (a
+    page with a chart for a browser)."""
     # A campaign has one archive, whose id (archiveid) is the campaign's.
     parent_id = call.parent["id"]
     if child_id not in (0, parent_id):
         raise NotFound(f"Campaign {parent_id} has no archive {child_id}; its archiveid is "
                        f"{parent_id}.")
-    batches = [_batch_record(call.conn, row, with_messages=False) for row in call.conn.execute(
-        "SELECT * FROM batch WHERE campaign = ? ORDER BY id", (parent_id,)).fetchall()]
-    unsubscribed = call.conn.execute(
-        "SELECT count(*) FROM suppression WHERE campaign = ? AND reason = 'unsubscribed'",
-        (parent_id,)).fetchone()[0]
-    return {"archive": {
-        "id": str(parent_id), "campaign": str(parent_id), "batches": batches,
-        "sent": str(sum(int(b["sent"]) for b in batches)),
-        "failed": str(sum(int(b["failed"]) for b in batches)),
-        "unsubscribed": str(unsubscribed)}}
+    # Per batch, then summed: an email belongs to one batch.  Events of the
+    # campaign outside its batches (an unsubscribe by a first-release link)
+    # count for the whole campaign only.
+    total = {name: 0 for name in STATISTICS}
+    total.update(links={}, timeline={})
+    batches = []
+    for row in call.conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id",
+                                 (parent_id,)).fetchall():
+        figures = _batch_statistics(call.conn, row)
+        batches.append(_batch_record(call.conn, row, with_messages=False, figures=figures))
+        for name in STATISTICS:
+            total[name] += figures[name]
+        for key in ("links", "timeline"):
+            for name, pair in figures[key].items():
+                total[key][name] = [a + b for a, b in zip(total[key].get(name, (0, 0)), pair)]
+    for name, count in _event_figures(call.conn, "campaign = ? AND batch IS NULL",
+                                      (parent_id,)).items():
+        total[name] += count
+    record = {"id": str(parent_id), "campaign": str(parent_id), "batches": batches,
+              **_statistics_record(total)}
+    if _prefers_html(_request_header("Accept")):
+        return bottle.HTTPResponse(
+            archive_page(record, f"{call.parent['name']}: what happened"), 200,
+            {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
+    return {"archive": record}
 
 
 # ---------------------------------------------------------------------------
@@ -3544,16 +3636,97 @@ def _page_response(title, body, status=200):
                  "X-Robots-Tag": "noindex"})
 
 
+def _bad_link_page(what):
+    """The page for a link of an email that is garbled, forged or no longer
+    known: a person followed it, so a page, not the API's envelope."""
+    return _page_response("This link does not work", (
+        f"<p>This {what} link is not valid: it may be cut short or changed. Copy the whole "
+        "link from the email into the address bar, or use the link of a newer email.</p>"),
+        status=404)
+
+
+def email_unsubscribe_url(secret, base, email_id):
+    """The one-click unsubscribe link of one campaign email: opaque, it names
+    only the outbox row (address, account, campaign and batch are looked up).
+
+    :param base: where the API is reachable (public_url or a batch's base_url).
+    """
+    return f"{base.rstrip('/')}/v1/unsubscribe/{sign_token(secret, 'unsubscribe', email_id)}"
+
+
+_CAMPAIGN_EMAIL = (
+    "SELECT o.id AS outbox, o.account, o.to_addr AS email, o.batch, o.message, o.recipient, "
+    "b.campaign{} FROM outbox o JOIN batch b ON b.id = o.batch{} "
+    "WHERE o.id = ? AND o.kind = 'campaign'")
+
+
+def _campaign_email(conn, secret, purpose, token, size=1):
+    """The campaign email a token of ``purpose`` names (its first number), as
+    ``(row, numbers)``: the row has outbox, account, email, batch, message,
+    recipient and campaign, and for a click token (two numbers: the email,
+    the link's index) the link's stored ``url``.  ``(None, None)`` for a
+    token that is not ours or names nothing we sent (never an exception:
+    tokens come from the public).  One statement."""
+    numbers = read_token(secret, purpose, token)
+    if numbers is None or len(numbers) != size:
+        return None, None
+    numbers = [min(number, MAX_ID) for number in numbers]   # beyond any id: none found
+    if size == 2:
+        row = conn.execute(_CAMPAIGN_EMAIL.format(
+            ", l.url", " JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
+            "AND l.link = ?"), (numbers[1], numbers[0])).fetchone()
+    else:
+        row = conn.execute(_CAMPAIGN_EMAIL.format("", ""), numbers).fetchone()
+    return (row, numbers) if row is not None else (None, None)
+
+
+def record_event(conn, kind, email, link=None):
+    """Count an open or a click of a campaign email (a row of
+    _campaign_email()) in the statistics: one INSERT, atomic by itself.
+
+    The one place the public routes write.  A count that cannot be written
+    (the database busy past its timeout) is logged and lost: the person's
+    image or redirect matters more than one figure.
+    """
+    try:
+        conn.execute(
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (email["account"], kind, email["campaign"],
+                                                email["batch"], email["outbox"], email["email"],
+                                                link, _now()))
+    except Exception:  # noqa: BLE001 - see above
+        log.exception("a %s of outbox %s could not be counted", kind, email["outbox"])
+
+
 def _unsubscribe_subject(call, token):
-    subject = read_unsubscribe_token(call.service.secret, token)
-    if subject is None:
-        raise NotFound("This unsubscribe link is not valid; copy the whole link from the email.")
-    return subject
+    """``(account, address, campaign, batch, outbox)`` of an unsubscribe
+    link, or None: an opaque link names one email; a link of the first
+    release (base64 payload "." mac) names the address and keeps working."""
+    if "." in token:
+        subject = read_unsubscribe_token(call.service.secret, token)
+        return subject and (*subject, None, None)
+    email, _ = _campaign_email(call.conn, call.service.secret, "unsubscribe", token)
+    return email and (email["account"], email["email"], email["campaign"], email["batch"],
+                      email["outbox"])
+
+
+def _unsubscribed_page(address, already=False):
+    return _page_response("Already unsubscribed" if already else "Unsubscribed", (
+        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails"
+        f"{' since an earlier visit: nothing more to do' if already else ''}.</p>"))
 
 
 def _unsubscribe_page(call, token):
     # GET never unsubscribes: mail scanners and link previews fetch links.
-    _, address, _ = _unsubscribe_subject(call, token)
+    subject = _unsubscribe_subject(call, token)
+    if subject is None:
+        return _bad_link_page("unsubscribe")
+    account, address = subject[:2]
+    done = call.conn.execute(
+        "SELECT 1 FROM suppression WHERE account = ? AND email = ? "
+        "AND reason IN ('unsubscribed', 'complained')", (account, address)).fetchone()
+    if done:
+        return _unsubscribed_page(address, already=True)
     return _page_response("Unsubscribe", (
         f"<p>Stop sending emails to <strong>{html.escape(address)}</strong>?</p>"
         '<form method="post"><input type="hidden" name="List-Unsubscribe" value="One-Click">'
@@ -3562,11 +3735,56 @@ def _unsubscribe_page(call, token):
 
 def _unsubscribe_post(call, token):
     # RFC 8058 one-click, and the confirm button of the page: both at once.
-    account, address, campaign = _unsubscribe_subject(call, token)
-    suppress(call.conn, account, address, "unsubscribed", campaign,
+    subject = _unsubscribe_subject(call, token)
+    if subject is None:
+        return _bad_link_page("unsubscribe")
+    account, address, campaign, batch, outbox = subject
+    suppress(call.conn, account, address, "unsubscribed", campaign, batch=batch, outbox=outbox,
              pending=call.memo.setdefault("events", []))
-    return _page_response("Unsubscribed", (
-        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails.</p>"))
+    return _unsubscribed_page(address)
+
+
+# Open and click ----------------------------------------------------------------
+
+def _read_by_a_person():
+    # HEAD (Bottle answers it with the GET route) is a link checker asking
+    # whether the link works: nobody opened or clicked anything.
+    return bottle.request.method == "GET"
+
+
+def _open(call, token):
+    """The open image.  Every token gets the same GIF (a broken image would
+    show in the email, and the answer tells nothing about the token); only a
+    valid one counts an open."""
+    email, _ = _campaign_email(call.conn, call.service.secret, "open", token)
+    if email is not None and _read_by_a_person():
+        record_event(call.conn, "open", email)
+    return bottle.HTTPResponse(GIF_PIXEL, 200, {
+        "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0",
+        "X-Robots-Tag": "noindex"})
+
+
+def _click(call, token):
+    """A tracked link: 302 to the URL stored for that link of that email's
+    batch, filled with the recipient's merge values; a click counted.
+    Anything else (forged, altered, unknown) is a 404 page: never a redirect
+    to a URL the request chose."""
+    email, numbers = _campaign_email(call.conn, call.service.secret, "click", token, size=2)
+    if email is None:
+        return _bad_link_page("tracked")
+    values = {}
+    if "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
+        recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
+                                      (email["recipient"],)).fetchone()
+        if recipient is not None:
+            values = recipient_values(datasource_fields(call.conn, recipient["datasource"]),
+                                      recipient)
+    target = click_target(email["url"], values)
+    if _read_by_a_person():
+        record_event(call.conn, "click", email, numbers[1])
+    return bottle.HTTPResponse(status=302, headers={
+        "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
+        "Referrer-Policy": "no-referrer"})
 
 
 # ---------------------------------------------------------------------------
@@ -4870,7 +5088,7 @@ class _Courier:
         letter = self.letters.get(key)
         if letter is None:
             batch = self.conn.execute(
-                "SELECT b.base_url, c.id AS campaign, c.owner, c.accountprofile "
+                "SELECT b.base_url, b.tracking, c.id AS campaign, c.owner, c.accountprofile "
                 "FROM batch b JOIN campaign c ON c.id = b.campaign WHERE b.id = ?",
                 (batch_id,)).fetchone()
             message = self.conn.execute("SELECT * FROM message WHERE id = ?",
@@ -4896,6 +5114,10 @@ class _Courier:
                             list_id=f"<campaign-{batch['campaign']}.{batch['owner']}.campaignapi>")
             letter.campaign, letter.account = batch["campaign"], batch["owner"]
             letter.base = (batch["base_url"] or self.run.public_url).rstrip("/")
+            letter.links = None  # tracked: how many links track_html() found
+            if batch["tracking"] and letter.base and sent_as["html"]:
+                tracked, links = track_html(sent_as["html"])
+                letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
         return letter
 
@@ -4918,9 +5140,10 @@ class _Courier:
         values = recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
         link = None
         if letter.base:
-            link = unsubscribe_url(self.run.secret, letter.base, letter.account, row["to_addr"],
-                                   letter.campaign)
+            link = email_unsubscribe_url(self.run.secret, letter.base, row["id"])
         values["unsubscribe_url"] = link or ""
+        if letter.links is not None:
+            values.update(tracking_values(self.run.secret, letter.base, row["id"], letter.links))
         return letter.sender, letter.build(row["to_addr"], values, link)
 
     # The SMTP side.
@@ -6292,6 +6515,19 @@ def _record_schema(names, /, **special):
             "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
 
 
+_COUNT = {"type": "string", "pattern": "^[0-9]+$"}
+#: The statistics of an archive and a batch archive (_statistics_record()).
+_STATISTICS_SCHEMAS = {
+    **dict.fromkeys(STATISTICS, _COUNT),
+    "links": {"type": "array", "items": {
+        "type": "object", "required": ["url", "clicks", "clicked"],
+        "properties": {"url": {"type": "string"}, "clicks": _COUNT, "clicked": _COUNT}}},
+    "timeline": {"type": "array", "items": {
+        "type": "object", "required": ["hour", "opens", "clicks"],
+        "properties": {"hour": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2} "
+                                                            "[0-9]{2}:00:00$"},
+                       "opens": _COUNT, "clicks": _COUNT}}}}
+
 #: The records of the contract (API.md sections 4-7) as JSON schemas, by kind.
 RECORD_SCHEMAS = {
     "datasource": _record_schema(
@@ -6324,8 +6560,9 @@ RECORD_SCHEMAS = {
     "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
     "campaign": _record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
-        "defaulttemplate created deleted thumbnail archiveid",
-        enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
+        "defaulttemplate created deleted thumbnail archiveid tracking",
+        enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
+        tracking=_FLAG_ANSWER),
     "campaignmessage": _record_schema("id campaign segment message priority subject name"),
     "structure": _record_schema(
         "id campaign segments",
@@ -6338,11 +6575,12 @@ RECORD_SCHEMAS = {
         checks={"type": "array", "items": {"type": "object", "properties": {
             "check": {"type": "string"}, "passed": {}, "message": {"type": "string"}}}}),
     "batcharchive": _record_schema(
-        "id campaign timestamp status recipients queued sent failed messages",
-        status={"enum": ["scheduled", "sending", "sent", "cancelled"]},
+        "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline messages",
+        status={"enum": ["scheduled", "sending", "sent", "cancelled"]}, **_STATISTICS_SCHEMAS,
         messages={"type": "array", "items": {"type": "object"}}),
-    "archive": _record_schema("id campaign batches sent failed unsubscribed",
-                              batches={"type": "array", "items": {"type": "object"}}),
+    "archive": _record_schema("id campaign batches " + " ".join(STATISTICS) + " links timeline",
+                              batches={"type": "array", "items": {"type": "object"}},
+                              **_STATISTICS_SCHEMAS),
     "webhook": _record_schema(
         "id owner url events enabled lastattempt lasterror failures created deleted",
         events={"type": "array", "items": {"enum": list(EVENT_KINDS)},
@@ -6502,15 +6740,18 @@ def _operation(route):
             "required": bool(required),
             "description": "Parameters may come in the query string instead.",
             "content": {"application/json": {"schema": body}}}
-    if isinstance(route.answers, dict) and "content" in route.answers:
-        success = route.answers
+    answered = "200"
+    if isinstance(route.answers, dict) and ("content" in route.answers
+                                            or "status" in route.answers):
+        success = {name: value for name, value in route.answers.items() if name != "status"}
+        answered = str(route.answers.get("status", 200))
     else:
         success = {"description": "Success: the envelope with the operation's data (a "
                                   "browser gets it as an HTML page).",
                    "content": {"application/json": {"schema": _envelope_schema(
                        True, _success_data(route))}, "text/html": {"schema": {"type": "string"}}}}
     operation["responses"] = {
-        "200": success,
+        answered: success,
         **{str(status): {"$ref": f"#/components/responses/{status}"}
            for status in _route_statuses(route)}}
     return operation
@@ -6661,6 +6902,14 @@ ROUTES = [
                    "content": {"text/csv": {"schema": {"type": "string"}}}}),
     Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False),
     Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False),
+    Route("GET",    "/open/{token:name}", None, _open, reads_body=False,
+          summary="The open image of a tracked email (the same GIF for every token)",
+          answers={"description": "A transparent 1x1 GIF, not cached.",
+                   "content": {"image/gif": {"schema": {"type": "string"}}}}),
+    Route("GET",    "/click/{token:name}", None, _click, reads_body=False,
+          summary="A tracked link of an email: redirects to the link's URL",
+          answers={"status": 302, "description": "To the URL stored for the link.",
+                   "headers": {"Location": {"schema": {"type": "string"}}}}),
 ]
 
 

@@ -222,7 +222,10 @@ CREATE TABLE IF NOT EXISTS batch (
     base_url  TEXT NOT NULL DEFAULT '',        -- where links in its emails point
     recipients INTEGER NOT NULL DEFAULT 0,
     created   TEXT NOT NULL DEFAULT (datetime('now')),
-    finished  TEXT
+    finished  TEXT,
+    -- version 2: the campaign's tracking when the batch was made; its emails
+    -- are tracked by it, whatever the campaign says later
+    tracking  INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1))
 );
 CREATE INDEX IF NOT EXISTS batch_due ON batch(status, timestamp);
 CREATE INDEX IF NOT EXISTS batch_campaign ON batch(campaign);
@@ -323,8 +326,11 @@ CREATE TABLE IF NOT EXISTS event (
     link     INTEGER,                          -- a click: the link's index in its message
     created  TEXT NOT NULL DEFAULT (datetime('now'))
 );
-CREATE INDEX IF NOT EXISTS event_batch ON event(batch, kind);
-CREATE INDEX IF NOT EXISTS event_campaign ON event(campaign, kind);
+-- The statistics of a batch are read from this index alone (it covers every
+-- column they count), and a campaign's events outside its batches (an
+-- unsubscribe by a link of the first release) from event_campaign.
+CREATE INDEX IF NOT EXISTS event_batch ON event(batch, kind, outbox, link, created);
+CREATE INDEX IF NOT EXISTS event_campaign ON event(campaign, batch, kind);
 CREATE INDEX IF NOT EXISTS event_address ON event(account, email, created);
 
 -- The links of each message as a batch sent it, by index: a click token

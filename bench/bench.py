@@ -21,12 +21,24 @@ in the same run:
            connection to the same sink.  Target: ratio >= 0.8 with one
            connection, >= 1.5 with the pool (4 connections).  Also the
            baseline over 4 connections: what the sink and machine take.
-           Median of R rounds, each ratio taken within its round.
+           Median of R rounds, each ratio taken within its round.  And
+           the same over one connection with the campaign's tracking on
+           (every link rewritten, the open image, tokens per recipient), vs
+           off.  Target: tracked within 10% of untracked (ratio >= 0.9).
   api      GET /v1/campaign/{id} with a key through waitress (8 threads) under
            wrk (or a Python keep-alive client), vs a bare Bottle route that
            returns the same JSON through the same server and client.
            Target: ratio >= 0.5; p50/p99 latency reported.  Median of R
            rounds of (bare, api).
+  archive  GET of a campaign's archive and of its batch archive (the
+           statistics by SQL) for a batch of N recipients with 0.3 N events
+           (opens, clicks, unsubscribes, bounces, complaints over 48 hours),
+           rows made by SQL.  Target: each under 1 s.
+  tracking GET /v1/open/{token} and /v1/click/{token} (valid tokens: each
+           request counts an event) through waitress (8 threads) under wrk,
+           vs a bare Bottle route answering the same GIF / 302 on the same
+           server.  Target: ratio >= 0.8.  Then the p99 of GET
+           /v1/campaign/{id} alone and while 10,000 opens arrive at once.
 
 Each benchmark runs in a child process of its own, so peak RSS is its own.
 """
@@ -170,14 +182,22 @@ def fill_recipients(db, datasource, n):
     conn.close()
 
 
+#: A newsletter's html: three links to track, the unsubscribe link not.
+LINKS_HTML = ("<html><body><p>Hello {{email}}</p><p><a href='https://shop.example/sale'>Sale</a> "
+              "<a href='https://shop.example/new?who={{email}}'>New</a> "
+              "<a href='https://blog.example/post'>Blog</a></p>"
+              "<a href='{{unsubscribe_url}}'>x</a></body></html>")
+
+
 def build_campaign(api, datasource, html="<p>Hello {{email}}</p><a href='{{unsubscribe_url}}'>x</a>",
-                   text="Hello {{email}} {{unsubscribe_url}}"):
+                   text="Hello {{email}} {{unsubscribe_url}}", tracking=0):
     profile = api("PUT", "/accountprofile/0", name="bench", fromname="Bench",
                   fromaddress="bench@example.com")["id"]
     message = api("PUT", "/message/0", name="m", subject="Hello {{email}}",
                   fromaddress="bench@example.com", html=html, text=text)["id"]
     segment = api("PUT", "/segment/0", name="everyone", datasources=[int(datasource)])["id"]
-    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=int(profile))["id"]
+    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=int(profile),
+                   tracking=tracking)["id"]
     api("PUT", f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
     return campaign
 
@@ -341,13 +361,13 @@ def bench_deliver(args, tmp):
                 thread.join()
             return time.perf_counter() - started
 
-        def deliver(connections, folder):
+        def deliver(connections, folder, **campaign_options):
             """Seconds deliver() takes for M queued campaign emails."""
             os.makedirs(folder)
-            db, app, api = new_service(folder)
+            db, app, api = new_service(folder, public_url="https://mail.example")
             datasource = api("PUT", "/datasource/0", name="bench")["id"]
             fill_recipients(db, int(datasource), args.emails)
-            campaign = build_campaign(api, datasource)
+            campaign = build_campaign(api, datasource, **campaign_options)
             api("PUT", f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
             campaignapi.process_due(db)
             started = time.perf_counter()
@@ -363,7 +383,10 @@ def bench_deliver(args, tmp):
         rounds = []
         for number in range(args.rounds):
             times = {"base": baseline(1), "c1": deliver(1, os.path.join(tmp, f"{number}c1")),
-                     "c4": deliver(4, os.path.join(tmp, f"{number}c4")), "base4": baseline(4)}
+                     "c4": deliver(4, os.path.join(tmp, f"{number}c4")), "base4": baseline(4),
+                     "links": deliver(1, os.path.join(tmp, f"{number}l"), html=LINKS_HTML),
+                     "tracked": deliver(1, os.path.join(tmp, f"{number}t"), html=LINKS_HTML,
+                                        tracking=1)}
             rounds.append(times)
         rounds.sort(key=lambda t: t["base"] / t["c1"])
         times = rounds[len(rounds) // 2]
@@ -377,6 +400,10 @@ def bench_deliver(args, tmp):
             figures[f"{name}_seconds"] = round(times[name], 2)
             figures[f"{name}_per_s"] = round(args.emails / times[name])
             figures[f"{name}_ratio"] = round(times["base"] / times[name], 2)
+        figures["tracked_seconds"] = round(times["tracked"], 2)
+        figures["untracked_seconds"] = round(times["links"], 2)
+        figures["tracked_ratios"] = sorted(round(t["links"] / t["tracked"], 2) for t in rounds)
+        figures["tracked_ratio"] = round(times["links"] / times["tracked"], 2)
         figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
         return figures
     finally:
@@ -485,15 +512,183 @@ def bench_api(args, tmp):
             "errors": figures["api"]["errors"], "client": figures["api"]["client"]}
 
 
+def tracked_batch(db, recipients, events, campaign=None):
+    """A sent, tracked batch of ``recipients`` emails with ``events``
+    statistics events over 48 hours, all made by SQL (setup, not measured):
+    ``(campaign, batch)``.  Of the events 70% are opens and 20% clicks on
+    five links; the rest unsubscribes, bounces and complaints."""
+    conn = campaignapi.connect(db)
+    try:
+        with campaignapi.transaction(conn):
+            account = campaignapi._account_for(conn, "bench@example.com")
+            if campaign is None:
+                campaign = conn.execute("INSERT INTO campaign (owner, accountprofile, name, "
+                                        "tracking) VALUES (?, 1, 'bench', 1)", (account,)).lastrowid
+            batch = conn.execute(
+                "INSERT INTO batch (campaign, timestamp, status, recipients, tracking) "
+                "VALUES (?, '2026-01-01 09:00:00', 'sent', ?, 1)", (campaign, recipients)).lastrowid
+            conn.execute("INSERT INTO batch_message (batch, message, subject, html, text) "
+                         "VALUES (?, 1, 's', ?, '')", (batch, LINKS_HTML))
+            conn.executemany("INSERT INTO batch_link (batch, message, link, url) VALUES (?, 1, ?, ?)",
+                             [(batch, i, f"https://shop.example/{i}") for i in range(5)])
+            first = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM outbox").fetchone()[0]
+            conn.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ? - 1) "
+                "INSERT INTO outbox (id, account, kind, batch, message, recipient, to_addr, status, "
+                "created, next_try, sent) SELECT ? + i, ?, 'campaign', ?, 1, i, "
+                "'user' || i || '@example.com', CASE WHEN i % 100 = 0 THEN 'failed' ELSE 'sent' "
+                "END, '2026-01-01 09:00:00', '2026-01-01 09:00:00', '2026-01-01 09:00:00' FROM n",
+                (recipients, first, account, batch))
+            conn.execute(
+                "WITH RECURSIVE n(i) AS (SELECT 0 WHERE ? > 0 UNION ALL SELECT i + 1 FROM n "
+                "WHERE i < ? - 1) INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
+                "SELECT ?, CASE WHEN i % 10 < 7 THEN 'open' WHEN i % 10 < 9 THEN 'click' "
+                "WHEN i % 30 = 9 THEN 'unsubscribe' WHEN i % 30 = 19 THEN 'bounce' "
+                "ELSE 'complaint' END, ?, ?, ? + (i * 7919) % ?, "
+                "'user' || ((i * 7919) % ?) || '@example.com', "
+                "CASE WHEN i % 10 IN (7, 8) THEN i % 5 END, "
+                "datetime('2026-01-01 09:00:00', '+' || (i % 48) || ' hours', "
+                "'+' || (i % 3600) || ' seconds') FROM n",
+                (events, events, account, campaign, batch, first, recipients, recipients))
+        conn.execute("ANALYZE")
+        return campaign, batch
+    finally:
+        conn.close()
+
+
+def bench_archive(args, tmp):
+    db, app, api = new_service(tmp)
+    recipients, events = args.rows, int(args.rows * 0.3)
+    started = time.perf_counter()
+    campaign, batch = tracked_batch(db, recipients, events)
+    setup = time.perf_counter() - started
+    figures = {"recipients": recipients, "events": events, "setup_seconds": round(setup, 1)}
+    for name, path in (("archive", f"/campaign/{campaign}/archive/{campaign}"),
+                       ("batcharchive", f"/campaign/{campaign}/batcharchive/{batch}")):
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            record = api("GET", path)[name]
+            times.append(time.perf_counter() - started)
+        if int(record["recipients"]) != recipients or int(record["opens"]) != events * 7 // 10:
+            raise RuntimeError(f"wrong figures: {record}")
+        figures[f"{name}_seconds"] = round(sorted(times)[1], 3)   # the median of three
+    figures["opened"], figures["clicks"] = record["opened"], record["clicks"]
+    figures["timeline_hours"] = len(record["timeline"])
+    figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    return figures
+
+
+TRACKING_SERVER = """
+import sys, logging, bottle, waitress
+sys.path.insert(0, sys.argv[3])
+logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+import campaignapi
+db, port = sys.argv[1], int(sys.argv[2])
+# One server: the API mounted beside bare routes that answer the same GIF and
+# the same redirect with nothing behind them.
+app = bottle.Bottle()
+app.mount("/api/", campaignapi.create_app(db))
+@app.get("/bare/open/<token>")
+def bare_open(token):
+    return bottle.HTTPResponse(campaignapi.GIF_PIXEL, 200, {
+        "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0"})
+@app.get("/bare/click/<token>")
+def bare_click(token):
+    return bottle.HTTPResponse(status=302, headers={"Location": "https://shop.example/0"})
+waitress.serve(app, host="127.0.0.1", port=port, threads=8, _quiet=True)
+"""
+
+
+def _fire(url, count, connections=4):
+    """Send ``count`` GETs of ``url`` over keep-alive connections; seconds taken."""
+    import http.client
+    host, port = url.split("/")[2].split(":")
+    path = "/" + url.split("/", 3)[3]
+
+    def send(share):
+        conn = http.client.HTTPConnection(host, int(port))
+        for _ in range(share):
+            conn.request("GET", path)
+            conn.getresponse().read()
+        conn.close()
+
+    threads = [threading.Thread(target=send, args=(count // connections,))
+               for _ in range(connections)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def bench_tracking(args, tmp):
+    db, app, api = new_service(tmp)
+    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=1)["id"]
+    _, batch = tracked_batch(db, 1000, 0, campaign=int(campaign))
+    conn = campaignapi.connect(db)
+    secret = campaignapi._stored_secret(conn)
+    email = conn.execute("SELECT min(id) FROM outbox WHERE batch = ?", (batch,)).fetchone()[0]
+    conn.close()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", TRACKING_SERVER, db, str(port), ROOT])
+    base = f"http://127.0.0.1:{port}"
+    urls = {"open": f"{base}/api/v1/open/{campaignapi.sign_token(secret, 'open', email)}",
+            "click": f"{base}/api/v1/click/{campaignapi.sign_token(secret, 'click', email, 0)}",
+            "bare_open": f"{base}/bare/open/x", "bare_click": f"{base}/bare/click/x",
+            "campaign": f"{base}/api/v1/campaign/{campaign}"}
+    figures = {}
+    try:
+        wait_port(port)
+        for url in urls.values():
+            _load(url, api.headers, 1)  # warm up
+        for kind in ("open", "click"):
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append({"bare": _load(urls["bare_" + kind], {}, args.seconds),
+                               "api": _load(urls[kind], {}, args.seconds)})
+            rounds.sort(key=lambda r: r["api"]["rps"] / r["bare"]["rps"])
+            middle = rounds[len(rounds) // 2]
+            figures[f"{kind}_rps"] = middle["api"]["rps"]
+            figures[f"{kind}_baseline_rps"] = middle["bare"]["rps"]
+            figures[f"{kind}_p99_ms"] = middle["api"]["p99_ms"]
+            figures[f"{kind}_ratio"] = round(middle["api"]["rps"] / middle["bare"]["rps"], 2)
+            figures[f"{kind}_errors"] = middle["api"]["errors"]
+        # The API's p99 alone, then while 10,000 opens arrive as fast as
+        # four connections send them.
+        figures["api_p99_ms_alone"] = _load(urls["campaign"], api.headers, args.seconds)["p99_ms"]
+        opens = {}
+        thread = threading.Thread(target=lambda: opens.update(
+            seconds=_fire(urls["open"], 10_000)))
+        thread.start()
+        during = _load(urls["campaign"], api.headers, args.seconds)
+        thread.join()
+        figures["api_p99_ms_during_opens"] = during["p99_ms"]
+        figures["api_rps_during_opens"] = during["rps"]
+        figures["opens_seconds"] = round(opens["seconds"], 2)
+        conn = campaignapi.connect(db)
+        figures["opens_counted"] = conn.execute(
+            "SELECT count(*) FROM event WHERE kind = 'open'").fetchone()[0]
+        conn.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return figures
+
+
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
-           "api": bench_api}
+           "api": bench_api, "archive": bench_archive, "tracking": bench_tracking}
 STEPS = {**BENCHES, "import-api": bench_import_api}  # what a child process can run
 
 TARGETS = {
     "import": lambda f: f["ratio"] >= 0.5 and f["rss_ratio"] <= 4,
     "queue": lambda f: f["seconds"] <= 10 and f["ratio"] >= 0.3,
-    "deliver": lambda f: f["c1_ratio"] >= 0.8 and f["c4_ratio"] >= 1.5,
+    "deliver": lambda f: f["c1_ratio"] >= 0.8 and f["c4_ratio"] >= 1.5
+    and f["tracked_ratio"] >= 0.9,
     "api": lambda f: f["ratio"] >= 0.5,
+    "archive": lambda f: f["archive_seconds"] < 1 and f["batcharchive_seconds"] < 1,
+    "tracking": lambda f: f["open_ratio"] >= 0.8 and f["click_ratio"] >= 0.8,
 }
 
 
@@ -509,7 +704,17 @@ def summary(name, f):
         return (f"deliver  {f['emails']:>9,} emails  1 conn {f['c1_per_s']}/s (ratio "
                 f"{f['c1_ratio']})  4 conns {f['c4_per_s']}/s (ratio {f['c4_ratio']})  "
                 f"baseline {f['baseline_per_s']}/s, over 4 conns "
-                f"{f['sink_4_connections_per_s']}/s")
+                f"{f['sink_4_connections_per_s']}/s  tracked {f['tracked_seconds']} s vs "
+                f"{f['untracked_seconds']} s (ratio {f['tracked_ratio']})")
+    if name == "archive":
+        return (f"archive  {f['recipients']:>9,} recipients, {f['events']:,} events  archive "
+                f"{f['archive_seconds']} s  batch archive {f['batcharchive_seconds']} s")
+    if name == "tracking":
+        return (f"tracking open {f['open_rps']:,}/s (bare {f['open_baseline_rps']:,}/s, ratio "
+                f"{f['open_ratio']})  click {f['click_rps']:,}/s (bare "
+                f"{f['click_baseline_rps']:,}/s, ratio {f['click_ratio']})  API p99 "
+                f"{f['api_p99_ms_alone']} ms alone, {f['api_p99_ms_during_opens']} ms while "
+                f"10,000 opens arrive (in {f['opens_seconds']} s)")
     return (f"api      {f['rps']:>9,} req/s  baseline {f['baseline_rps']:,} req/s  ratio "
             f"{f['ratio']}  p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms ({f['client']})")
 
