@@ -94,6 +94,7 @@ VALID = {
     ("POST", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessageid": 1, "priority": 5},
     ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": 1},
     ("PUT", "/campaign/{parent_id}/send/{child_id}"): {"timestamp": 0},
+    ("POST", "/template/{id}"): {"name": "x"}, ("DELETE", "/template/{id}"): {"id": 1},
 }
 
 #: Top-level creates name a new id: at another account's id they are 409 (ids are global).
@@ -145,6 +146,8 @@ def test_another_accounts_records_are_404_on_every_route_and_unchanged(
 def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other, world, db,
                                                                   route):
     params = {"name": "x", "accountprofile": 1} if "campaign" in route.path else {"name": "x"}
+    if "template" in route.path:
+        params["html"] = "{{content}}"
     before = snapshot(db)
     response = send(client, route.method, filled(route), other, params)
     assert_clean_error(response, 409, "conflict")
