@@ -3681,7 +3681,8 @@ def _built_email(call, letter, recipient, to_addr):
     values = {"email": to_addr} if recipient is None else recipient_values(
         datasource_fields(call.conn, recipient["datasource"]), recipient)
     _, raw = recipient_email(letter, call.service.secret, to_addr, values)
-    parsed = email.message_from_bytes(raw, policy=email.policy.default)
+    # Line ends as a mail client reads them (SMTP's CRLF as LF).
+    parsed = email.message_from_bytes(raw.replace(b"\r\n", b"\n"), policy=email.policy.default)
     bodies = {}
     for part in ("html", "plain"):
         body = parsed.get_body((part,))
