@@ -2774,6 +2774,11 @@ def _check_defaulttemplate(call, value):
     """A campaign's ``defaulttemplate`` as stored: '', the id of a live
     template of the caller's, or a file name that stays inside the templates
     folder (the file itself may come later: verify says when it is missing)."""
+    if not isinstance(value, str):  # an id may come as a JSON number
+        if _as_int(value) is None:
+            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
+                                   "file name.", field="defaulttemplate")
+        value = str(value)
     value = value.strip()
     if value.isascii() and value.isdigit():
         number = _as_int(value)
@@ -3010,7 +3015,7 @@ def _cancel_if_unscheduled(call, campaign_id):
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
-            "defaulttemplate:str thumbnail:str", required="name accountprofile",
+            "defaulttemplate:scalar thumbnail:str", required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",

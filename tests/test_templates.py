@@ -126,7 +126,8 @@ def test_templates_of_another_account_are_not_found(tapi, client, make_key):
 def test_defaulttemplate_takes_none_an_own_live_template_or_a_file_name(tapi, folder):
     campaign = tapi.put("/campaign/0", name="c", accountprofile=1, defaulttemplate="news")["id"]
     template = tapi.put("/template/0", html="{{content}}")["id"]
-    for value, stored in (("news.html", "news.html"), (f"00{template}", template), ("", ""),
+    for value, stored in (("news.html", "news.html"), (f"00{template}", template),
+                          (int(template), template), ("", ""),
                           ("later", "later")):  # a file may come later: verify says so
         assert tapi.post(f"/campaign/{campaign}", defaulttemplate=value) is True
         assert tapi.get(f"/campaign/{campaign}")["emt_campaign"][0]["defaulttemplate"] == stored
@@ -135,6 +136,8 @@ def test_defaulttemplate_takes_none_an_own_live_template_or_a_file_name(tapi, fo
                      defaulttemplate=template)["error"] == "conflict"
     assert tapi.post(f"/campaign/{campaign}", status=404, defaulttemplate="999")["error"] \
         == "not_found"
+    assert tapi.post(f"/campaign/{campaign}", status=400, defaulttemplate=1.5)["field"] \
+        == "defaulttemplate"
 
 
 @pytest.mark.parametrize("name", ["../news", "sub/news", "sub\\news", "..", "a..b", "/etc/passwd",
