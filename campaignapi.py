@@ -3693,7 +3693,8 @@ def _built_email(call, letter, recipient, to_addr):
         body = parsed.get_body((part,))
         bodies[part] = body.get_content() if body is not None else ""
     return {"subject": str(parsed["Subject"] or ""), "html": bodies["html"],
-            "text": bodies["plain"], "headers": {name: str(value) for name, value in parsed.items()}}
+            "text": bodies["plain"],
+            "headers": {name: str(value) for name, value in parsed.items()}}
 
 
 def _campaign_preview(call, child_id):
@@ -5182,7 +5183,8 @@ class _Courier:
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
                 "ORDER BY next_try LIMIT ?) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts, fromname, fromaddress, replyto", (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
+                "html, attempts, fromname, fromaddress, replyto",
+                (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
