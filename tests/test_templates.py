@@ -3,13 +3,16 @@ defaulttemplate as a record or a file of templates_dir, rendering once per
 batch, the preview that equals what arrives, and test sends, end to end with
 the real SMTP sink."""
 
+import json
 import os
 
 import pytest
 
 import campaignapi
+from clihelpers import served
 from conftest import Api
-from helpers import assert_error, import_csv, keyed_client, make_campaign, scalar, send, snapshot
+from helpers import (assert_error, http, import_csv, keyed_client, make_campaign, scalar, send,
+                     snapshot, wait_for)
 
 LAYOUT_HTML = """<!doctype html><html><head><style>
 .frame { border: 1px solid #cccccc; padding: 8px; }
@@ -400,3 +403,39 @@ def test_the_command_line_refuses_a_templates_dir_that_is_no_folder(tmp_path, ca
     assert exit_info.value.code == 2
     assert "is not a directory" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.db")
+
+
+class HttpApi:
+    """The API of a served process over real HTTP, as conftest's Api over WebTest."""
+
+    def __init__(self, port, secret):
+        self.base = f"http://127.0.0.1:{port}/v1"
+        self.headers = {"Authorization": f"Bearer {secret}"}
+
+    def call(self, method, path, **params):
+        status, _, body = http(self.base + path, method, params, self.headers)
+        assert status == 200, body
+        return json.loads(body)["data"]
+
+    def put(self, path, **params):
+        return self.call("PUT", path, **params)
+
+
+def test_serve_with_templates_dir_sends_a_file_template_through_its_worker(tmp_path, folder,
+                                                                           smtp_sink):
+    """The flag reaches both halves of ``serve``: the API accepts the file name
+    and the worker thread wraps the emails in it."""
+    db = str(tmp_path / "served.db")
+    with served("--db", db, "--templates-dir", str(folder), "--smtp", smtp_sink.address,
+                cwd=tmp_path) as server:
+        api = HttpApi(server.port, server.secret)
+        ds = api.put("/datasource/0", name="d", fields=[{"name": "first", "type": "text"}])["id"]
+        api.put(f"/datasource/{ds}/import/0", name="i", originalfile="f.csv",
+                __uploadtype__="csv", __uploaddata__="email,first\nann@example.com,Ann\n")
+        ids = make_campaign(api, [int(ds)])
+        api.call("POST", f"/campaign/{ids['campaign']}", defaulttemplate="news")
+        api.put(f"/campaign/{ids['campaign']}/send/0", timestamp=0)
+        wait_for(lambda: "ann@example.com" in smtp_sink.parsed(), what="Ann's email")
+    subject, html_body, text_body = bodies(smtp_sink.parsed()["ann@example.com"])
+    assert subject == "Hello Ann" and text_body.startswith("THE SHOP NEWS\n\nHi Ann")
+    assert '<div class="frame" style=' in html_body
