@@ -3296,9 +3296,13 @@ def _check_template_found(c):
 @_verify_check("template_content")
 def _check_template_content(c):
     problem = c.template_problem
-    return [str(problem)] if problem and problem.check == "template_content" else [], (
-        "The template holds {{content}} once in each body it has." if c.row["defaulttemplate"]
-        else "The campaign has no template (defaulttemplate '').")
+    if not c.row["defaulttemplate"]:
+        passed = "The campaign has no template (defaulttemplate '')."
+    elif problem:
+        passed = "The template's content could not be checked (see template_found)."
+    else:
+        passed = "The template holds {{content}} once in each body it has."
+    return [str(problem)] if problem and problem.check == "template_content" else [], passed
 
 
 @_verify_check("unsubscribe_link")
