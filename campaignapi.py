@@ -1542,16 +1542,21 @@ def merge_tags(template):
     return {name.lower() for name in _MERGE_TAG.findall(template or "")}
 
 
-def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None):
-    """Queue a ready-made email (a notification or an archive copy) in the
-    outbox; the worker delivers it.  Returns the outbox row id.
+def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None,
+                  sender=None):
+    """Queue a ready-made email (a notification, an archive copy, a test
+    send) in the outbox; the worker delivers it.  Returns the outbox row id.
 
     :param body: the plain-text body; ``html`` an optional HTML alternative.
+    :param sender: ``{"fromname", "fromaddress", "replyto"}`` to send as (a
+        sender profile's); None: the worker's mail_from.
     """
+    sender = sender or {}
     return conn.execute(
-        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, kind, to_addr, subject, body, html, _now(), _now())).lastrowid
+        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try, "
+        "fromname, fromaddress, replyto) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (account, kind, to_addr, subject, body, html, _now(), _now(), sender.get("fromname"),
+         sender.get("fromaddress") or None, sender.get("replyto"))).lastrowid
 
 
 def account_email(conn, account):
@@ -2655,6 +2660,149 @@ ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
 
 
 # ---------------------------------------------------------------------------
+# Templates: records and files that wrap a campaign's messages
+# ---------------------------------------------------------------------------
+
+def _template_values(call, row):
+    """A template's columns, its bodies checked: each given body holds
+    {{content}} once, and at least one body is given."""
+    values = _columns(call, TEMPLATE.column_names)
+    bodies = {part: values.get(part, row[part] if row else "") for part in ("html", "text")}
+    if row is None or "html" in values or "text" in values:
+        if not any(body.strip() for body in bodies.values()):
+            raise InvalidParameter("A template needs an html or a text body (or both) holding "
+                                   "{{content}}, where the message goes.", field="html")
+        for part, body in bodies.items():
+            try:
+                check_template(*((body, None) if part == "html" else (None, body)))
+            except ValueError as error:
+                raise InvalidParameter(str(error), field=part) from None
+    return values
+
+
+TEMPLATE = Resource("template", "template", _plain_record, columns="name:str html:text text:text",
+                    values=_template_values, repeat={"delete": "id"})
+
+
+class TemplateUnusable(Exception):
+    """A campaign's defaulttemplate cannot wrap its messages: ``str()`` says
+    why and how to fix it; ``check`` names verify's check that reports it."""
+
+    def __init__(self, message, check="template_found"):
+        super().__init__(message)
+        self.check = check
+
+
+def _template_file(templates_dir, name, suffix):
+    """The path of template file ``name`` + ``suffix`` ('.html' or '.txt') in
+    ``templates_dir``; ValueError (a sentence) for a name that is no plain
+    file name there: a path separator, '..', or a file (a symlink too) that
+    resolves outside the folder."""
+    if not templates_dir:
+        raise ValueError("This server has no templates folder (the templates_dir setting, "
+                         "--templates-dir), so a template file cannot be named; use a template "
+                         "id or ''.")
+    if name.lower().endswith(".html"):
+        name = name[:-len(".html")]
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if not name or ".." in name or any(sep in name for sep in separators) \
+            or not name.isprintable():
+        raise ValueError(f"'{name}' is not a template file name: give NAME of a file NAME.html "
+                         "in the templates folder, without a path, '..' or control characters.")
+    folder = os.path.realpath(templates_dir)
+    path = os.path.realpath(os.path.join(folder, name + suffix))
+    if os.path.commonpath([folder, path]) != folder:
+        raise ValueError(f"The template file '{name}{suffix}' resolves outside the templates "
+                         "folder (a symlink?); only files inside it can be used.")
+    return path
+
+
+def _read_template_file(templates_dir, name):
+    """``(html, text)`` of template file NAME.html (and NAME.txt, if there),
+    read from disk every time: an edited file counts at once."""
+    try:
+        paths = [_template_file(templates_dir, name, suffix) for suffix in (".html", ".txt")]
+    except ValueError as error:
+        raise TemplateUnusable(str(error)) from None
+    bodies = []
+    for path, required in zip(paths, (True, False)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                bodies.append(f.read())
+        except FileNotFoundError:
+            if required:
+                raise TemplateUnusable(
+                    f"The template file {os.path.basename(path)} does not exist in the templates "
+                    "folder: add it, or point the campaign's defaulttemplate at another "
+                    "template.") from None
+            bodies.append("")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else (
+                error.strerror or str(error))
+            raise TemplateUnusable(f"The template file {os.path.basename(path)} cannot be read "
+                                   f"({reason}): fix the file.") from None
+    return tuple(bodies)
+
+
+def campaign_template(conn, account, defaulttemplate, templates_dir):
+    """The bodies ``(html, text)`` that wrap a campaign's messages, or None
+    when it has no template; TemplateUnusable when it cannot be used.
+
+    :param defaulttemplate: the campaign's: '', a template id of ``account``,
+        or the NAME of a file NAME.html (and NAME.txt) in ``templates_dir``.
+    """
+    value = (defaulttemplate or "").strip()
+    if not value:
+        return None
+    if value.isascii() and value.isdigit():
+        row = conn.execute("SELECT html, text, deleted FROM template WHERE id = ? AND owner = ?",
+                           (_as_int(value), account)).fetchone()
+        fix = "create it with PUT /v1/template/{} or point the campaign at another template"
+        if row is None:
+            raise TemplateUnusable(f"Template {value} does not exist: " + fix.format(value) + ".")
+        if row["deleted"]:
+            raise TemplateUnusable(f"Template {value} is deleted: point the campaign's "
+                                   "defaulttemplate at another template, or clear it with ''.")
+        where, bodies = f"template {value}", (row["html"], row["text"])
+    else:
+        where, bodies = f"the template file '{value}'", _read_template_file(templates_dir, value)
+    if not any(body.strip() for body in bodies):
+        raise TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
+                               "{{content}}.", "template_content")
+    try:
+        check_template(*bodies)
+    except ValueError as error:
+        raise TemplateUnusable(f"{where.capitalize()}: {error}", "template_content") from None
+    return bodies
+
+
+def _check_defaulttemplate(call, value):
+    """A campaign's ``defaulttemplate`` as stored: '', the id of a live
+    template of the caller's, or a file name that stays inside the templates
+    folder (the file itself may come later: verify says when it is missing)."""
+    if not isinstance(value, str):  # an id may come as a JSON number
+        if _as_int(value) is None:
+            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
+                                   "file name.", field="defaulttemplate")
+        value = str(value)
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        number = _as_int(value)
+        if number is None:
+            raise InvalidParameter("'defaulttemplate' is not a template id.",
+                                   field="defaulttemplate")
+        TEMPLATE.find(call.conn, call.account, number, live=True)
+        return str(number)
+    if value:
+        try:
+            for suffix in (".html", ".txt"):
+                _template_file(call.service.config["templates_dir"], value, suffix)
+        except ValueError as error:
+            raise InvalidParameter(str(error), field="defaulttemplate") from None
+    return value
+
+
+# ---------------------------------------------------------------------------
 # Segments
 # ---------------------------------------------------------------------------
 
@@ -2849,6 +2997,8 @@ def _campaign_values(call, row):
         raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
                                "'scheduled' only takes '0', to cancel.", field="scheduled")
     values = _columns(call, CAMPAIGN.column_names)
+    if "defaulttemplate" in values:
+        values["defaulttemplate"] = _check_defaulttemplate(call, values["defaulttemplate"])
     for name in ("archiveemail", "thumbnail"):
         if values.get(name) == "":
             values[name] = None
@@ -2871,7 +3021,7 @@ def _cancel_if_unscheduled(call, campaign_id):
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
-            "defaulttemplate:str thumbnail:str tracking:flag", required="name accountprofile",
+            "defaulttemplate:scalar thumbnail:str tracking:flag", required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",
@@ -2999,7 +3149,8 @@ def _campaign_structure_get(call, child_id):
 
 def _campaign_verify_get(call, child_id):
     _whole_campaign(call.parent["id"], child_id, "verify")
-    return {"verify": verify_campaign(call.conn, call.account, call.parent["id"])}
+    return {"verify": verify_campaign(call.conn, call.account, call.parent["id"],
+                                      call.service.config["templates_dir"])}
 
 
 def _label(kind, row):
@@ -3010,9 +3161,15 @@ class _Campaign:
     """What verify's checks look at: the campaign, its sender profile, its
     links, and the messages and segments they name (by id)."""
 
-    def __init__(self, conn, account, campaign_id):
+    def __init__(self, conn, account, campaign_id, templates_dir=""):
         self.conn, self.id = conn, campaign_id
         self.row = CAMPAIGN.find(conn, account, campaign_id)
+        self.template, self.template_problem = None, None
+        try:
+            self.template = campaign_template(conn, account, self.row["defaulttemplate"],
+                                              templates_dir)
+        except TemplateUnusable as problem:
+            self.template_problem = problem
         self.profile_id = self.row["accountprofile"]
         self.profile_row = conn.execute("SELECT * FROM accountprofile WHERE id = ? AND owner = ?",
                                         (self.profile_id, account)).fetchone()
@@ -3023,6 +3180,14 @@ class _Campaign:
         self.links = campaign_links(conn, campaign_id)
         self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links])
         self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links])
+
+    def bodies(self, message):
+        """``{"html", "text"}`` of a message as it is sent: inside the template
+        (when it has a usable one), merge tags still tags."""
+        html_body, text_body = message["html"], message["text"]
+        if self.template:
+            html_body, text_body = wrap_in_template(*self.template, html_body, text_body)
+        return {"html": html_body, "text": text_body}
 
     def senders(self):
         """``(kind, row, fix path)`` of every row whose header values are sent."""
@@ -3126,16 +3291,37 @@ def _check_bodies(c):
             if not (m["html"].strip() or m["text"].strip())], "Every message has a body."
 
 
+@_verify_check("template_found")
+def _check_template_found(c):
+    problem = c.template_problem
+    return [str(problem)] if problem and problem.check == "template_found" else [], (
+        f"The template '{c.row['defaulttemplate']}' is there." if c.row["defaulttemplate"]
+        else "The campaign has no template (defaulttemplate '').")
+
+
+@_verify_check("template_content")
+def _check_template_content(c):
+    problem = c.template_problem
+    if not c.row["defaulttemplate"]:
+        passed = "The campaign has no template (defaulttemplate '')."
+    elif problem:
+        passed = "The template's content could not be checked (see template_found)."
+    else:
+        passed = "The template holds {{content}} once in each body it has."
+    return [str(problem)] if problem and problem.check == "template_content" else [], passed
+
+
 @_verify_check("unsubscribe_link")
 def _check_unsubscribe_links(c):
+    # In the message or in its template: the link usually lives in the footer.
     return [
-        f"The {part} body of {_label('message', m)} has no {{{{unsubscribe_url}}}} merge tag: "
-        f"add an unsubscribe link to it, e.g. {example}."
-        for m in c.messages.values()
+        f"The {part} body of {_label('message', m)} has no {{{{unsubscribe_url}}}} merge tag "
+        f"(nor does its template): add an unsubscribe link to it, e.g. {example}."
+        for m in c.messages.values() for sent in [c.bodies(m)]
         for part, example in (("html", '<a href="{{unsubscribe_url}}">Unsubscribe</a>'),
                               ("text", "'Unsubscribe: {{unsubscribe_url}}'"))
         if (m[part].strip() or not (m["html"].strip() or m["text"].strip()))
-        and "unsubscribe_url" not in merge_tags(m[part])
+        and "unsubscribe_url" not in merge_tags(sent[part])
     ], "Every message body carries {{unsubscribe_url}}."
 
 
@@ -3149,8 +3335,8 @@ def _check_merge_tags(c):
         known = {"email", "unsubscribe_url"}
         for datasource in json.loads(segment["datasources"]):
             known.update(datasource_fields(c.conn, datasource))
-        unknown = sorted(set().union(*(merge_tags(message[part])
-                                       for part in ("subject", "html", "text"))) - known)
+        unknown = sorted(set().union(merge_tags(message["subject"]), *map(
+            merge_tags, c.bodies(message).values())) - known)
         if unknown:
             tags = ", ".join(f"{{{{{tag}}}}}" for tag in unknown)
             problems.append(
@@ -3222,7 +3408,7 @@ def _check_header_line_breaks(c):
             ], "No header value holds a line break."
 
 
-def verify_campaign(conn, account, campaign_id):
+def verify_campaign(conn, account, campaign_id, templates_dir=""):
     """Check whether campaign ``campaign_id`` can be sent; the verify record.
 
     Every check of VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
@@ -3232,8 +3418,9 @@ def verify_campaign(conn, account, campaign_id):
     :param conn: a connection (see connect()).
     :param account: the id of the account that owns the campaign (404 if not).
     :param campaign_id: the campaign to check.
+    :param templates_dir: where template files named by defaulttemplate are.
     """
-    campaign = _Campaign(conn, account, campaign_id)
+    campaign = _Campaign(conn, account, campaign_id, templates_dir)
     checks = []
     for name, check in VERIFY_CHECKS:
         problems, passed_message = check(campaign)
@@ -3274,20 +3461,33 @@ def parse_timestamp(value, now=None):
 
 def _campaign_send(call, child_id):
     parent_id = call.parent["id"]
+    if "test" in call.params:
+        return _test_send(call, child_id, call.params["test"])
+    if "timestamp" not in call.params:
+        raise MissingParameter("Missing required parameter: timestamp (or test, a list of "
+                               "addresses, for a test send).", field=["timestamp"])
     when = parse_timestamp(call.get("timestamp"))
-    report = verify_campaign(call.conn, call.account, parent_id)
-    if report["passed"] != "1":
-        failing = [check for check in report["checks"] if check["passed"] != "1"]
-        raise VerificationFailed(
-            f"Campaign {parent_id} fails verification: " + " ".join(
-                check["message"] for check in failing), checks=report["checks"])
+    _verified(call, parent_id)
     batch = insert_record(call.conn, "batch", child_id, {
         "campaign": parent_id, "timestamp": when, "status": "scheduled",
         "base_url": call.base_url, "created": _now()})
     return {"id": str(batch)}
 
 
-def process_due(db, now=None, on_event=None):
+def _verified(call, campaign_id, only=None):
+    """Refuse (409 verification_failed, with the checks) a campaign that fails
+    verify; ``only``: the names of the checks that count."""
+    report = verify_campaign(call.conn, call.account, campaign_id,
+                             call.service.config["templates_dir"])
+    failing = [check for check in report["checks"] if check["passed"] != "1"
+               and (only is None or check["check"] in only)]
+    if failing:
+        raise VerificationFailed(
+            f"Campaign {campaign_id} fails verification: " + " ".join(
+                check["message"] for check in failing), checks=report["checks"])
+
+
+def process_due(db, now=None, on_event=None, *, templates_dir=""):
     """Make every batch that is due: queue one email per address in the outbox.
 
     Recipients are resolved in SQL: the campaign's segments in priority order,
@@ -3303,6 +3503,7 @@ def process_due(db, now=None, on_event=None):
     :param now: the current time, 'YYYY-MM-DD HH:MM:SS' UTC (tests pass it).
     :param on_event: the application's callback ``on_event(kind, payload)``,
         called after each of those transactions has committed (see emit()).
+    :param templates_dir: where template files named by defaulttemplate are.
     :returns: the number of batches made.
     """
     conn = connect(db) if isinstance(db, str) else db
@@ -3321,7 +3522,7 @@ def process_due(db, now=None, on_event=None):
                 batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled'",
                                      (batch["id"],)).fetchone()
                 if batch is not None:
-                    _make_batch(conn, batch, now, pending)
+                    _make_batch(conn, batch, now, pending, templates_dir)
                     made += 1
             if pending:
                 run_callbacks(on_event, pending)
@@ -3350,14 +3551,23 @@ def _batch_event(conn, batch, kind, pending):
     emit(conn, owner, kind, _batch_record(conn, batch, with_messages=False), pending)
 
 
-def _make_batch(conn, batch, now, pending=None):
+def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     campaign = conn.execute("SELECT * FROM campaign WHERE id = ?", (batch["campaign"],)).fetchone()
-    if campaign["deleted"] or not campaign["enabled"]:
+    account = campaign["owner"]
+    why = "campaign %s is deleted or disabled" if campaign["deleted"] or not campaign["enabled"] \
+        else None
+    template = None
+    if why is None:
+        try:  # read once for the whole batch
+            template = campaign_template(conn, account, campaign["defaulttemplate"],
+                                         templates_dir)
+        except TemplateUnusable as problem:
+            why = "campaign %s cannot use its template: " + str(problem).replace("%", "%%")
+    if why is not None:
         conn.execute("UPDATE batch SET status = 'cancelled', finished = ? WHERE id = ?",
                      (now, batch["id"]))
-        log.info("batch %s cancelled: campaign %s is deleted or disabled", batch["id"], campaign["id"])
+        log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
-    account = campaign["owner"]
     for link in campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
         where, params = segment_query(conn, segment)
@@ -3368,7 +3578,7 @@ def _make_batch(conn, batch, now, pending=None):
             "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
             "ORDER BY r.id",
             (account, batch["id"], link["message"], now, now, *params, account))
-        _archive_message(conn, campaign, batch, link["message"])
+        _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
     queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
@@ -3380,20 +3590,39 @@ def _make_batch(conn, batch, now, pending=None):
     log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
 
 
-def _archive_message(conn, campaign, batch, message_id):
-    """Keep the message as this batch sends it, and mail a copy to archiveemail.
+def prepare_message(message, template):
+    """A message as every recipient of a batch gets it, before their merge
+    values: ``{"subject", "html", "text"}``, the bodies inside the template
+    (see wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
+    once per message per batch; delivery, preview and test sends start here.
+
+    :param message: the message row; ``template``: ``(html, text)`` or None.
+    """
+    html_body, text_body = message["html"], message["text"]
+    if template:
+        html_body, text_body = wrap_in_template(*template, html_body, text_body)
+    return {"subject": message["subject"], "html": inline_css(html_body), "text": text_body}
+
+
+def _archive_message(conn, campaign, batch, message_id, template=None):
+    """Keep the message as this batch sends it (in its template, CSS
+    inlined), and mail a copy to archiveemail.  Delivery builds every email
+    of the batch from this copy.
 
     Per-recipient merge tags stay visible as tags: the archive shows what
     every recipient got, not one recipient's data."""
     message = conn.execute("SELECT * FROM message WHERE id = ?", (message_id,)).fetchone()
-    inserted = conn.execute(
-        "INSERT OR IGNORE INTO batch_message (batch, message, subject, html, text) "
-        "VALUES (?, ?, ?, ?, ?)",
-        (batch["id"], message_id, message["subject"], message["html"], message["text"])).rowcount
-    if inserted and campaign["archiveemail"]:
+    if conn.execute("SELECT 1 FROM batch_message WHERE batch = ? AND message = ?",
+                    (batch["id"], message_id)).fetchone():
+        return  # linked to two segments: prepared once
+    sent = prepare_message(message, template)
+    conn.execute("INSERT INTO batch_message (batch, message, subject, html, text) "
+                 "VALUES (?, ?, ?, ?, ?)",
+                 (batch["id"], message_id, sent["subject"], sent["html"], sent["text"]))
+    if campaign["archiveemail"]:
         enqueue_email(conn, campaign["owner"], campaign["archiveemail"],
-                      f"[archive] {message['subject']}", message["text"], kind="archive",
-                      html=message["html"])
+                      f"[archive] {sent['subject']}", sent["text"], kind="archive",
+                      html=sent["html"])
 
 
 def _store_links(conn, batch_id):
@@ -3524,6 +3753,125 @@ def _archive_get(call, child_id):
     return {"archive": record}
 
 
+# Preview and test sends: an email built by delivery's own code -----------------
+
+#: A test send goes to at most this many addresses.
+MAX_TEST_ADDRESSES = 10
+#: The checks of verify that a test send must pass: those about the email
+#: itself.  Those about its audience (recipients, merge-tag fields, the
+#: unsubscribe link, an enabled campaign) are left to the real send.
+TEST_SEND_CHECKS = ("campaign_messages", "links_in_use", "message_subject", "message_from",
+                    "message_body", "template_found", "template_content", "reply_to",
+                    "header_line_breaks")
+
+
+def _segment_recipient(conn, segment, wanted=None):
+    """A recipient row of the segment that a send would mail (active, not
+    suppressed): ``wanted`` (an id or an address), else the one with the
+    lowest id; None when there is none."""
+    where, params = segment_query(conn, segment)
+    sql = (f"SELECT r.* FROM recipient r WHERE {where} AND NOT EXISTS (SELECT 1 FROM "
+           "suppression s WHERE s.account = ? AND s.email = r.email)")
+    args = [*params, segment["owner"]]
+    if wanted is not None:
+        number = _as_int(wanted)
+        sql += " AND r.id = ?" if number is not None else " AND r.email = ?"
+        args.append(number if number is not None else str(wanted).strip())
+    return conn.execute(sql + " ORDER BY r.id LIMIT 1", args).fetchone()
+
+
+def _usable_template(call):
+    """The campaign's template bodies (or None); 409 when it cannot be used."""
+    try:
+        return campaign_template(call.conn, call.account, call.parent["defaulttemplate"],
+                                 call.service.config["templates_dir"])
+    except TemplateUnusable as problem:
+        raise Conflict(str(problem)) from None
+
+
+def _link_letter(call, link, template):
+    """``(message row, Letter)`` of a campaign message, prepared as a batch
+    made now would send it."""
+    message = call.conn.execute("SELECT * FROM message WHERE id = ?",
+                                (link["message"],)).fetchone()
+    return message, message_letter(call.conn, call.parent, message,
+                                   prepare_message(message, template), call.base_url,
+                                   default_mail_from())
+
+
+def _built_email(call, letter, recipient, to_addr):
+    """The email of ``letter`` to ``to_addr`` with the merge values of
+    ``recipient`` (a row; None: blank fields, {{email}} the address), as
+    delivery builds it, parsed: ``{subject, html, text, headers}``."""
+    values = {"email": to_addr} if recipient is None else recipient_values(
+        datasource_fields(call.conn, recipient["datasource"]), recipient)
+    # The recipient's own link when the email is theirs; a tester's names the tester.
+    own = recipient is not None and recipient["email"] == to_addr
+    _, raw = recipient_email(letter, call.service.secret, to_addr, values,
+                             recipient["id"] if own else None)
+    # Line ends as a mail client reads them (SMTP's CRLF as LF).
+    parsed = email.message_from_bytes(raw.replace(b"\r\n", b"\n"), policy=email.policy.default)
+    bodies = {}
+    for part in ("html", "plain"):
+        body = parsed.get_body((part,))
+        bodies[part] = body.get_content() if body is not None else ""
+    return {"subject": str(parsed["Subject"] or ""), "html": bodies["html"],
+            "text": bodies["plain"],
+            "headers": {name: str(value) for name, value in parsed.items()}}
+
+
+def _campaign_preview(call, child_id):
+    campaign = call.parent
+    link = LINK.find(call.conn, campaign["id"], child_id)
+    segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
+                                (link["segment"],)).fetchone()
+    wanted = call.get("recipient")
+    recipient = _segment_recipient(call.conn, segment, wanted)
+    if recipient is None and wanted is not None:
+        raise NotFound(f"There is no recipient '{wanted}' among those segment {segment['id']} "
+                       "sends to (active and not suppressed).")
+    if recipient is None:
+        raise Conflict(f"Segment {segment['id']} has no active recipients to preview the email "
+                       "for: import recipients into its datasources or loosen its conditions.")
+    _, letter = _link_letter(call, link, _usable_template(call))
+    built = _built_email(call, letter, recipient, recipient["email"])
+    return {"preview": {"campaign": str(campaign["id"]), "link": str(link["id"]),
+                        "recipient": str(recipient["id"]), **built}}
+
+
+def _test_send(call, child_id, addresses):
+    """Each campaign message once to each address, now: pre-rendered for its
+    segment's first recipient, queued as kind 'test'; no batch."""
+    if child_id != 0:
+        raise InvalidParameter("A test send makes no batch: send it at /send/0.", field="test")
+    if "timestamp" in call.params:
+        raise InvalidParameter("A test send goes now: give 'test' or 'timestamp', not both.",
+                               field="timestamp")
+    if not 1 <= len(addresses) <= MAX_TEST_ADDRESSES:
+        raise InvalidParameter(f"'test' must list 1 to {MAX_TEST_ADDRESSES} email addresses.",
+                               field="test")
+    checked = {}
+    for index, address in enumerate(addresses):
+        normal = _normalize_email(address)
+        if normal is None:
+            raise InvalidParameter(f"test[{index}] is not a valid email address.", field="test")
+        checked.setdefault(normal.lower(), normal)
+    campaign = call.parent
+    _verified(call, campaign["id"], TEST_SEND_CHECKS)
+    template = _usable_template(call)
+    for link in campaign_links(call.conn, campaign["id"]):
+        segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
+                                    (link["segment"],)).fetchone()
+        recipient = _segment_recipient(call.conn, segment)
+        message, letter = _link_letter(call, link, template)
+        sender = campaign_sender(call.conn, campaign["accountprofile"], message)
+        for address in checked.values():
+            built = _built_email(call, letter, recipient, address)
+            enqueue_email(call.conn, campaign["owner"], address, "[Test] " + built["subject"],
+                          built["text"], kind="test", html=built["html"] or None, sender=sender)
+    return {"id": "0"}
+
+
 # ---------------------------------------------------------------------------
 # Public pages: unsubscribe (signed tokens, not stored; no key needed)
 # ---------------------------------------------------------------------------
@@ -3645,13 +3993,17 @@ def _bad_link_page(what):
         status=404)
 
 
-def email_unsubscribe_url(secret, base, email_id):
-    """The one-click unsubscribe link of one campaign email: opaque, it names
-    only the outbox row (address, account, campaign and batch are looked up).
+def email_unsubscribe_url(secret, base, campaign, recipient):
+    """The one-click unsubscribe link of a campaign's emails to one recipient:
+    opaque, it names the campaign and the recipient row (the address, the
+    account and the email that carried it are looked up), and it is the same
+    for every email of the campaign to that recipient, so a preview shows the
+    link the email will carry.
 
     :param base: where the API is reachable (public_url or a batch's base_url).
     """
-    return f"{base.rstrip('/')}/v1/unsubscribe/{sign_token(secret, 'unsubscribe', email_id)}"
+    token = sign_token(secret, "unsubscribe", campaign, recipient)
+    return f"{base.rstrip('/')}/v1/unsubscribe/{token}"
 
 
 _CAMPAIGN_EMAIL = (
@@ -3705,9 +4057,22 @@ def _unsubscribe_subject(call, token):
     if "." in token:
         subject = read_unsubscribe_token(call.service.secret, token)
         return subject and (*subject, None, None)
-    email, _ = _campaign_email(call.conn, call.service.secret, "unsubscribe", token)
-    return email and (email["account"], email["email"], email["campaign"], email["batch"],
-                      email["outbox"])
+    numbers = read_token(call.service.secret, "unsubscribe", token)
+    if numbers is None or len(numbers) != 2:
+        return None
+    campaign, recipient = (min(number, MAX_ID) for number in numbers)
+    row = call.conn.execute(
+        "SELECT r.email, d.owner FROM recipient r JOIN datasource d ON d.id = r.datasource "
+        "JOIN campaign c ON c.owner = d.owner AND c.id = ? WHERE r.id = ?",
+        (campaign, recipient)).fetchone()
+    if row is None:  # erased since, or never ours
+        return None
+    # The campaign's latest email to the address: the batch the statistics count it in.
+    sent = call.conn.execute(
+        "SELECT id, batch FROM outbox WHERE kind = 'campaign' AND to_addr = ? "
+        "AND batch IN (SELECT id FROM batch WHERE campaign = ?) ORDER BY id DESC LIMIT 1",
+        (row["email"], campaign)).fetchone()
+    return (row["owner"], row["email"], campaign, sent and sent["batch"], sent and sent["id"])
 
 
 def _unsubscribed_page(address, already=False):
@@ -4938,6 +5303,53 @@ class Letter:
                 + b'"\r\n\r\n' + body)
 
 
+def campaign_sender(conn, profile_id, message):
+    """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
+    message's own values where set, else the campaign's sender profile's."""
+    profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
+                           "WHERE id = ?", (profile_id,)).fetchone()
+    profile = dict(profile) if profile else {}
+    return {name: message[name] or profile.get(name) or ""
+            for name in ("fromname", "fromaddress", "replyto")}
+
+
+def message_letter(conn, campaign, message, sent, base, mail_from):
+    """The Letter of one campaign message, as delivery, preview and test
+    sends all build it.
+
+    :param campaign: ``{"id", "owner", "accountprofile"}`` of the campaign.
+    :param message: the message row (for its sender).
+    :param sent: ``{"subject", "html", "text"}`` as the batch sends them
+        (prepare_message()).
+    :param base: where the API is reachable, for unsubscribe links ('' none).
+    :param mail_from: the sender when neither message nor profile has one.
+    """
+    sender = campaign_sender(conn, campaign["accountprofile"], message)
+    letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
+                    sent["html"], from_name=sender["fromname"], reply_to=sender["replyto"],
+                    list_id=f"<campaign-{campaign['id']}.{campaign['owner']}.campaignapi>")
+    letter.campaign, letter.account = campaign["id"], campaign["owner"]
+    letter.base = (base or "").rstrip("/")
+    return letter
+
+
+def recipient_email(letter, secret, to_addr, values, recipient=None):
+    """``(sender, email bytes)`` of a campaign Letter for one recipient: the
+    merge ``values`` with the unsubscribe link.
+
+    :param recipient: the recipient's id: the link names it and the campaign,
+        opaquely, so delivery and preview give the same link.  None (a test
+        send): the link names ``to_addr``, the tester, instead.
+    """
+    link = None
+    if letter.base and recipient is not None:
+        link = email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
+    elif letter.base:
+        link = unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
+    values["unsubscribe_url"] = link or ""
+    return letter.sender, letter.build(to_addr, values, link)
+
+
 def dkim_signer(domain, selector, private_key):
     """A function that prepends a DKIM-Signature to an email (needs dkimpy).
 
@@ -5044,7 +5456,8 @@ class _Courier:
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
                 "ORDER BY next_try LIMIT ?) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts", (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
+                "html, attempts, fromname, fromaddress, replyto",
+                (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
@@ -5100,20 +5513,10 @@ class _Courier:
             sent_as = self.conn.execute(
                 "SELECT subject, html, text FROM batch_message WHERE batch = ? AND message = ?",
                 (batch_id, message_id)).fetchone() or message
-            profile = self.conn.execute(
-                "SELECT fromname, fromaddress, replyto FROM accountprofile WHERE id = ?",
-                (batch["accountprofile"],)).fetchone()
-            profile = dict(profile) if profile else {}
-
-            def pick(name):
-                return message[name] or profile.get(name) or ""
-
-            letter = Letter(pick("fromaddress") or self.run.mail_from, sent_as["subject"],
-                            sent_as["text"], sent_as["html"], from_name=pick("fromname"),
-                            reply_to=pick("replyto"),
-                            list_id=f"<campaign-{batch['campaign']}.{batch['owner']}.campaignapi>")
-            letter.campaign, letter.account = batch["campaign"], batch["owner"]
-            letter.base = (batch["base_url"] or self.run.public_url).rstrip("/")
+            campaign = {"id": batch["campaign"], "owner": batch["owner"],
+                        "accountprofile": batch["accountprofile"]}
+            letter = message_letter(self.conn, campaign, message, sent_as,
+                                    batch["base_url"] or self.run.public_url, self.run.mail_from)
             letter.links = None  # tracked: how many links track_html() found
             if batch["tracking"] and letter.base and sent_as["html"]:
                 tracked, links = track_html(sent_as["html"])
@@ -5129,22 +5532,19 @@ class _Courier:
 
     def build(self, row, recipients):
         """``(sender, email bytes)``, or None when the row must not be sent."""
-        if row["kind"] != "campaign":
-            letter = Letter(self.run.mail_from, row["subject"] or "", row["body"] or "",
-                            row["html"] or "", templated=False)
+        if row["kind"] != "campaign":  # ready-made: its sender, if any, is on the row
+            letter = Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
+                            row["body"] or "", row["html"] or "", from_name=row["fromname"] or "",
+                            reply_to=row["replyto"] or "", templated=False)
             return letter.sender, letter.build(row["to_addr"])
         recipient = recipients.get(row["recipient"])
         if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
             return None
         letter = self.campaign_letter(row["batch"], row["message"])
         values = recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
-        link = None
-        if letter.base:
-            link = email_unsubscribe_url(self.run.secret, letter.base, row["id"])
-        values["unsubscribe_url"] = link or ""
         if letter.links is not None:
             values.update(tracking_values(self.run.secret, letter.base, row["id"], letter.links))
-        return letter.sender, letter.build(row["to_addr"], values, link)
+        return recipient_email(letter, self.run.secret, row["to_addr"], values, row["recipient"])
 
     # The SMTP side.
 
@@ -5444,7 +5844,7 @@ def _repeat(stop, interval, step, name):
 
 
 def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
-               webhook_allow_private=False, **delivery):
+               webhook_allow_private=False, templates_dir="", **delivery):
     """The background work, until ``stop_event`` is set: make due batches
     (process_due), post stored events to webhooks (deliver_webhooks) and,
     when ``smtp`` is given, deliver the outbox (deliver() with ``delivery``
@@ -5457,9 +5857,10 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
         can call it: a worker started as its own process (``campaignapi.py
         worker``) has no callback, and services learn of those events by webhook.
     :param webhook_allow_private: the setting of that name.
+    :param templates_dir: where template files named by defaulttemplate are.
     """
     def make_batches():
-        return process_due(db, on_event=on_event) > 0
+        return process_due(db, on_event=on_event, templates_dir=templates_dir) > 0
 
     def deliver_events():
         counts = deliver_webhooks(db, allow_private=webhook_allow_private, stop=stop_event)
@@ -6558,6 +6959,10 @@ RECORD_SCHEMAS = {
                                                               "op": {"type": "string"},
                                                               "value": {}}}}),
     "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
+    "template": _record_schema("id owner name html text created deleted", deleted=_FLAG_ANSWER),
+    "preview": _record_schema(
+        "campaign link recipient subject html text headers",
+        headers={"type": "object", "additionalProperties": {"type": "string"}}),
     "campaign": _record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
         "defaulttemplate created deleted thumbnail archiveid tracking",
@@ -6868,6 +7273,10 @@ ROUTES = [
     Route("PUT",    "/accountprofile/{id}", "create", ACCOUNTPROFILE.create),
     Route("POST",   "/accountprofile/{id}", "write",  ACCOUNTPROFILE.change),
     Route("DELETE", "/accountprofile/{id}", "delete", ACCOUNTPROFILE.delete),
+    Route("GET",    "/template/{id:int|all}", "read", TEMPLATE.get),
+    Route("PUT",    "/template/{id}", "create", TEMPLATE.create),
+    Route("POST",   "/template/{id}", "write",  TEMPLATE.change),
+    Route("DELETE", "/template/{id}", "delete", TEMPLATE.delete),
 
     # Campaigns, their messages, structure, verify, sending, archives
     Route("GET",    "/campaign/{id:int|all}", "read", CAMPAIGN.get,
@@ -6881,8 +7290,12 @@ ROUTES = [
     Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", LINK.delete),
     Route("GET",    "/campaign/{parent_id}/structure/{child_id}", "read", _campaign_structure_get),
     Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
+    Route("GET",    "/campaign/{parent_id}/preview/{child_id}", "read", _campaign_preview,
+          "recipient:scalar", summary="Preview a campaign message as a recipient gets it",
+          answers="preview"),
+    # timestamp is required unless test is given (a test send goes now).
     Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
-          "timestamp:scalar!"),
+          "timestamp:scalar test:list", summary="Send campaign (or a test send)"),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
@@ -7051,6 +7464,13 @@ def _address(text):
 
 
 @_argument_type
+def _folder(text):
+    if not os.path.isdir(text):
+        raise ValueError(f"{text!r} is not a directory")
+    return os.path.abspath(text)
+
+
+@_argument_type
 def _smtp(text):
     smtp_address(text)
     return text
@@ -7187,7 +7607,8 @@ def _cmd_serve(args):
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
             app = create_app(args.db, public_url=public_url, max_body=args.max_body,
-                             webhook_allow_private=args.webhook_allow_private)
+                             webhook_allow_private=args.webhook_allow_private,
+                             templates_dir=args.templates_dir or "")
     finally:
         for sock in sockets:
             sock.close()
@@ -7272,6 +7693,9 @@ def _add_delivery_options(parser):
     parser.add_argument("--webhook-allow-private", action="store_true",
                         help="webhook URLs may point at loopback and private addresses "
                              "(never at cloud metadata ones) (default: off)")
+    parser.add_argument("--templates-dir", default=None, type=_folder, metavar="DIR",
+                        help="where template files named by a campaign's defaulttemplate live "
+                             "(NAME.html, NAME.txt) (default: none, template records only)")
 
 
 #: What a DKIM key must be able to sign at start-up (so a bad key fails there).
@@ -7308,7 +7732,8 @@ def _worker_options(args):
     return {"smtp": args.smtp, "starttls": args.starttls, "username": args.smtp_user,
             "password": args.smtp_password, "connections": args.connections, "rate": args.rate,
             "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or "",
-            "webhook_allow_private": args.webhook_allow_private}
+            "webhook_allow_private": args.webhook_allow_private,
+            "templates_dir": args.templates_dir or ""}
 
 
 def _cmd_key(args):

@@ -25,6 +25,9 @@ in the same run:
            the same over one connection with the campaign's tracking on
            (every link rewritten, the open image, tokens per recipient), vs
            off.  Target: tracked within 10% of untracked (ratio >= 0.9).
+           With a template: the same over 1 connection with the messages in
+           a template record (a <style> block inlined once per batch).
+           Target: within 10% of without (ratio to it >= 0.9).
   api      GET /v1/campaign/{id} with a key through waitress (8 threads) under
            wrk (or a Python keep-alive client), vs a bare Bottle route that
            returns the same JSON through the same server and client.
@@ -302,6 +305,19 @@ def bench_queue(args, tmp):
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
+#: The deliver benchmark's template: a layout with a <style> block, as a
+#: real campaign's (inlined once per batch, then filled per recipient).
+TEMPLATE_HTML = """<!doctype html><html><head><meta charset="utf-8"><style>
+body { margin: 0; background: #f4f1ec; font-family: Georgia, serif; color: #2b2b2b; }
+.wrap { max-width: 600px; margin: 0 auto; background: #ffffff; padding: 24px; }
+h1 { font-size: 24px; color: #5a3e2b; } p { font-size: 16px; line-height: 1.5; }
+.footer { font-size: 12px; color: #666666; border-top: 1px solid #dddddd; }
+</style></head><body><div class="wrap"><h1>Bench News</h1>{{content}}
+<div class="footer"><p>Bench Ltd, 1 Main Street. <a href="{{unsubscribe_url}}">Unsubscribe</a>
+</p></div></div></body></html>"""
+TEMPLATE_TEXT = "Bench News\n\n{{content}}\n--\nBench Ltd, 1 Main Street\n"
+
+
 SINK = """
 import asyncio, sys
 from aiosmtpd.smtp import SMTP
@@ -361,13 +377,18 @@ def bench_deliver(args, tmp):
                 thread.join()
             return time.perf_counter() - started
 
-        def deliver(connections, folder, **campaign_options):
-            """Seconds deliver() takes for M queued campaign emails."""
+        def deliver(connections, folder, template=False, **campaign_options):
+            """Seconds deliver() takes for M queued campaign emails (in a
+            template record with ``template``)."""
             os.makedirs(folder)
             db, app, api = new_service(folder, public_url="https://mail.example")
             datasource = api("PUT", "/datasource/0", name="bench")["id"]
             fill_recipients(db, int(datasource), args.emails)
             campaign = build_campaign(api, datasource, **campaign_options)
+            if template:
+                layout = api("PUT", "/template/0", name="layout", html=TEMPLATE_HTML,
+                             text=TEMPLATE_TEXT)["id"]
+                api("POST", f"/campaign/{campaign}", defaulttemplate=layout)
             api("PUT", f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
             campaignapi.process_due(db)
             started = time.perf_counter()
@@ -383,6 +404,7 @@ def bench_deliver(args, tmp):
         rounds = []
         for number in range(args.rounds):
             times = {"base": baseline(1), "c1": deliver(1, os.path.join(tmp, f"{number}c1")),
+                     "c1t": deliver(1, os.path.join(tmp, f"{number}c1t"), template=True),
                      "c4": deliver(4, os.path.join(tmp, f"{number}c4")), "base4": baseline(4),
                      "links": deliver(1, os.path.join(tmp, f"{number}l"), html=LINKS_HTML),
                      "tracked": deliver(1, os.path.join(tmp, f"{number}t"), html=LINKS_HTML,
@@ -395,8 +417,9 @@ def bench_deliver(args, tmp):
                    "baseline_per_s": round(args.emails / times["base"]),
                    "sink_4_connections_per_s": round(args.emails / times["base4"]),
                    "c1_ratios": [round(t["base"] / t["c1"], 2) for t in rounds],
-                   "c4_ratios": sorted(round(t["base"] / t["c4"], 2) for t in rounds)}
-        for name in ("c1", "c4"):
+                   "c4_ratios": sorted(round(t["base"] / t["c4"], 2) for t in rounds),
+                   "template_ratios": [round(t["c1"] / t["c1t"], 2) for t in rounds]}
+        for name in ("c1", "c1t", "c4"):
             figures[f"{name}_seconds"] = round(times[name], 2)
             figures[f"{name}_per_s"] = round(args.emails / times[name])
             figures[f"{name}_ratio"] = round(times["base"] / times[name], 2)
@@ -404,6 +427,8 @@ def bench_deliver(args, tmp):
         figures["untracked_seconds"] = round(times["links"], 2)
         figures["tracked_ratios"] = sorted(round(t["links"] / t["tracked"], 2) for t in rounds)
         figures["tracked_ratio"] = round(times["links"] / times["tracked"], 2)
+        # With a template against without, in the same round.
+        figures["template_ratio"] = round(times["c1"] / times["c1t"], 2)
         figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
         return figures
     finally:
@@ -685,7 +710,7 @@ TARGETS = {
     "import": lambda f: f["ratio"] >= 0.5 and f["rss_ratio"] <= 4,
     "queue": lambda f: f["seconds"] <= 10 and f["ratio"] >= 0.3,
     "deliver": lambda f: f["c1_ratio"] >= 0.8 and f["c4_ratio"] >= 1.5
-    and f["tracked_ratio"] >= 0.9,
+    and f["tracked_ratio"] >= 0.9 and f["template_ratio"] >= 0.9,
     "api": lambda f: f["ratio"] >= 0.5,
     "archive": lambda f: f["archive_seconds"] < 1 and f["batcharchive_seconds"] < 1,
     "tracking": lambda f: f["open_ratio"] >= 0.8 and f["click_ratio"] >= 0.8,
@@ -705,7 +730,9 @@ def summary(name, f):
                 f"{f['c1_ratio']})  4 conns {f['c4_per_s']}/s (ratio {f['c4_ratio']})  "
                 f"baseline {f['baseline_per_s']}/s, over 4 conns "
                 f"{f['sink_4_connections_per_s']}/s  tracked {f['tracked_seconds']} s vs "
-                f"{f['untracked_seconds']} s (ratio {f['tracked_ratio']})")
+                f"{f['untracked_seconds']} s (ratio {f['tracked_ratio']})\n"
+                f"         with a template, 1 conn {f['c1t_per_s']}/s ({f['template_ratio']} "
+                f"of without; target >= 0.9)")
     if name == "archive":
         return (f"archive  {f['recipients']:>9,} recipients, {f['events']:,} events  archive "
                 f"{f['archive_seconds']} s  batch archive {f['batcharchive_seconds']} s")

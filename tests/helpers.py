@@ -278,7 +278,7 @@ def recipients(api, ds, **params):
 def build_world(api, send=True):
     """One record of every kind for the api's account, all at id 1 when the
     database is fresh: datasource (with a field, recipients, an import, an
-    export and an organize record), message, segment, sender profile, and a
+    export and an organize record), message, segment, sender profile, template, and a
     sendable campaign with a campaign message and (``send``) a batch."""
     ds = api.put("/datasource/0", name="customers",
                  fields=[{"name": "first", "type": "text"}])["id"]
@@ -287,6 +287,8 @@ def build_world(api, send=True):
     api.get(f"/datasource/{ds}/export/0")
     api.put(f"/datasource/{ds}/organize/0", item=int(ds), folder="top", sortorder=1)
     ids = {"datasource": ds, **make_campaign(api, [int(ds)])}
+    ids["template"] = api.put("/template/0", name="layout", html="<div>{{content}}</div>",
+                              text="{{content}}\n--\nThe Shop")["id"]
     if send:
         ids["batch"] = api.put(f"/campaign/{ids['campaign']}/send/0",
                                timestamp="2000-01-01 00:00:00")["id"]

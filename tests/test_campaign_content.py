@@ -219,6 +219,12 @@ def _set(db, table, row_id, **values):
     conn.close()
 
 
+def _template_without_content(api, db, made):
+    template = api.put("/template/0", html="<div>{{content}}</div>")["id"]
+    api.post(f"/campaign/{made['campaign']}", defaulttemplate=template)
+    _set(db, "template", template, html="<div>no place for the message</div>")
+
+
 #: One way to break each check of a campaign that passes, and words the
 #: failing check's message must hold to be of use.
 BREAKERS = {
@@ -241,6 +247,10 @@ BREAKERS = {
                                              fromaddress="not-an-address"), "fromaddress"),
     "message_body": (lambda api, db, m: _set(db, "message", m["message"], html="", text=" "),
                      "no body"),
+    "template_found": (lambda api, db, m: _set(db, "campaign", m["campaign"],
+                                               defaulttemplate="999"), "PUT /v1/template/999"),
+    "template_content": (lambda api, db, m: _template_without_content(api, db, m),
+                         "{{content}} exactly once"),
     "unsubscribe_link": (lambda api, db, m: api.post(f"/message/{m['message']}",
                                                      text="No way out"), "text body"),
     "merge_tags": (lambda api, db, m: api.post(f"/message/{m['message']}",

@@ -37,13 +37,14 @@ def test_record_field_for_field(api):
 
 
 def test_create_with_every_optional_field(api):
+    api.put("/template/3", html="<div>{{content}}</div>")  # a template must exist (issue 14)
     api.put("/campaign/0", name="Full", accountprofile="12", description="About\nit",
-            enabled="0", archiveemail=" Archive@Example.COM ", defaulttemplate="basic.html",
+            enabled="0", archiveemail=" Archive@Example.COM ", defaulttemplate="3",
             thumbnail="thumb.png")
     record = campaign(api, 1)
     assert record == {**record, "accountprofile": "12", "description": "About\nit",
                       "enabled": "0", "archiveemail": "Archive@example.com",
-                      "defaulttemplate": "basic.html", "thumbnail": "thumb.png"}
+                      "defaulttemplate": "3", "thumbnail": "thumb.png"}
 
 
 def test_all_lists_every_live_campaign_as_an_array(api):
@@ -69,6 +70,7 @@ def test_create_at_a_chosen_id_and_409_when_taken(api, stranger_api, db):
 def test_change_a_campaign(api):
     api.put("/campaign/0", name="x", accountprofile=1, archiveemail="a@example.com",
             thumbnail="t.png")
+    api.put("/template/7", text="{{content}}")
     assert api.post("/campaign/1", name="renamed", accountprofile=2, description="d",
                     enabled=False, archiveemail="", defaulttemplate="7", thumbnail="") is True
     record = campaign(api, 1)

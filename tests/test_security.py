@@ -95,6 +95,7 @@ VALID = {
     ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": 1},
     ("PUT", "/campaign/{parent_id}/send/{child_id}"): {"timestamp": 0},
     ("POST", "/webhook/{id}"): {"url": "https://1.1.1.1/taken-over", "enabled": 1},
+    ("POST", "/template/{id}"): {"name": "x"}, ("DELETE", "/template/{id}"): {"id": 1},
 }
 
 #: A public address literal: valid without webhook_allow_private, no DNS, never called here.
@@ -151,6 +152,8 @@ def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other,
                                                                   route):
     params = {"name": "x", "accountprofile": 1} if "campaign" in route.path else \
         {"url": WEBHOOK_URL} if "webhook" in route.path else {"name": "x"}
+    if "template" in route.path:
+        params["html"] = "{{content}}"
     before = snapshot(db)
     response = send(client, route.method, filled(route), other, params)
     assert_clean_error(response, 409, "conflict")
