@@ -281,6 +281,9 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
 CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
+-- Bounces and complaints find the emails sent to an address (soft bounces in a
+-- row, the accounts that mailed it lately).
+CREATE INDEX IF NOT EXISTS outbox_address ON outbox(to_addr, account);
 
 -- Version 2 --------------------------------------------------------------------
 
