@@ -1525,10 +1525,11 @@ def _internal_error(response_id):
                     "reporting it.")
 
 
-def _stored_secret(conn):
+def _stored_secret(conn, create=True):
+    """The secret kept in the database, made on first use (unless not ``create``: None)."""
     row = conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()
-    if row:
-        return row["value"]
+    if row or not create:
+        return row and row["value"]
     with transaction(conn):
         conn.execute("INSERT OR IGNORE INTO setting (name, value) VALUES ('secret', ?)",
                      (secrets.token_hex(32),))
@@ -4713,7 +4714,8 @@ def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=Fals
     host, port = server_address(imap, "the IMAP server")
     conn = connect(db)
     try:
-        secret = secret or _stored_secret(conn)
+        # No stored secret yet: nothing was signed, so no report can name an email.
+        secret = secret or _stored_secret(conn, create=False)
 
         def handle(raw):
             report = classify_bounce(raw, secret)
