@@ -94,6 +94,7 @@ VALID = {
     ("POST", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessageid": 1, "priority": 5},
     ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": 1},
     ("PUT", "/campaign/{parent_id}/send/{child_id}"): {"timestamp": 0},
+    ("POST", "/bounce"): {"email": "ann@example.com", "type": "hard", "campaign": 1},
 }
 
 #: Top-level creates name a new id: at another account's id they are 409 (ids are global).
