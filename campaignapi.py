@@ -28,6 +28,8 @@ __all__ = [
     "create_key", "list_keys", "revoke_key", "LEVELS",
     "connect", "transaction", "init_db",
     "process_due", "deliver", "run_worker", "dkim_signer", "enqueue_email",
+    "apply_bounce", "classify_bounce", "process_bounce_mailbox", "read_bounce_mailbox",
+    "verp_address", "read_verp", "message_id_for", "read_message_id", "MailboxError",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "Unauthorized", "InsufficientAccess", "NotFound", "MethodNotAllowed",
@@ -6796,6 +6798,8 @@ def create_app(db="campaignapi.db", **config):
 
     :param db: path of the SQLite file; created with the schema if new.
     :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
+    :raises ValueError: a bounce setting that cannot work (bounce_domain,
+        postmark_credentials, sendgrid_public_key, ses_topic_arns).
     """
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
