@@ -4636,13 +4636,11 @@ def _soft_bounce_run(conn, account, address):
 
 def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
     """Count a soft bounce (once per email); the SOFT_BOUNCE_LIMIT-th in a row bounces."""
-    if outbox is not None and conn.execute(
-            "SELECT 1 FROM event WHERE account = ? AND email = ? AND kind = 'softbounce' "
-            "AND outbox = ?", (account, address, outbox)).fetchone():
-        return   # a second report of the same email (a delay warning, then the failure)
-    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-                 "VALUES (?, 'softbounce', ?, ?, ?, ?, ?)",
-                 (account, campaign, batch, outbox, address, _now()))
+    if not conn.execute(
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (account, campaign, batch, outbox, address, _now())).rowcount:
+        return   # a second report of the same email (event_softbounce_once)
     if _soft_bounce_run(conn, account, address) >= SOFT_BOUNCE_LIMIT:
         suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
                  pending=pending)

@@ -329,6 +329,10 @@ CREATE TABLE IF NOT EXISTS event (
 CREATE INDEX IF NOT EXISTS event_batch ON event(batch, kind);
 CREATE INDEX IF NOT EXISTS event_campaign ON event(campaign, kind);
 CREATE INDEX IF NOT EXISTS event_address ON event(account, email, created);
+-- A soft bounce counts once per email (a delay warning and the final failure
+-- of one email are one soft bounce), also when two reports arrive at once.
+CREATE UNIQUE INDEX IF NOT EXISTS event_softbounce_once ON event(outbox)
+    WHERE kind = 'softbounce' AND outbox IS NOT NULL;
 
 -- The links of each message as a batch sent it, by index: a click token
 -- names (outbox email, index) and redirects only to the URL stored here.
