@@ -7158,7 +7158,8 @@ def _cmd_worker(args):
     stop = threading.Event()
     _stop_on_sigterm(stop.set)
     print(f"campaignapi {__version__} worker on {args.db}, "
-          + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills"),
+          + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills")
+          + (f", reading the bounce mailbox at {args.imap} every minute" if args.imap else ""),
           flush=True)
     try:
         run_worker(args.db, stop, **options)

@@ -124,3 +124,32 @@ def test_serve_turns_a_provider_route_on_with_its_flag(tmp_path, seed_campaign, 
         assert (status, json.loads(body)["data"]) == (200, {"received": "1"})
         assert http(base + "/v1/bounce/postmark", "POST", {})[0] == 404
     assert status_of(db, "alice@example.com") == ["bounced"]
+
+
+def test_a_wrong_mailbox_password_is_one_line_and_exit_2(dovecot_server, existing, tmp_path):
+    # A server of its own: dovecot delays later logins after a failed one.
+    from dovecot import Dovecot
+
+    with Dovecot() as server:
+        line = refused(tmp_path, "bounces", "--db", existing, "--imap",
+                       f"127.0.0.1:{server.port}", "--user", server.user, "--password", "wrong")
+    assert "refused the login of 'bounces'" in line
+
+
+def test_the_worker_process_reads_the_mailbox_it_is_given(dovecot, existing, tmp_path):
+    import subprocess
+    import sys
+
+    from clihelpers import SCRIPT
+
+    dovecot.append(crlf(AUTO_REPLY))
+    worker = subprocess.Popen([sys.executable, SCRIPT, "worker", "--db", existing,
+                               *mailbox_args(dovecot)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: dovecot.messages() == [], timeout=30, what="the worker's first read")
+    finally:
+        worker.terminate()
+        output = worker.communicate(timeout=30)[0]
+    assert f"reading the bounce mailbox at 127.0.0.1:{dovecot.port} every minute" in output
+    assert "bounce mailbox: none for no known address (an automatic reply" in output
