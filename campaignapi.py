@@ -4619,11 +4619,12 @@ def _soft_bounce_run(conn, account, address):
     account sent to it that each soft-bounced, up to the first that did not
     (a delivery); soft bounces that name no email (none was sent) count too
     when every email sent since soft-bounced."""
+    # Sent emails, and those given up on after temporary failures (soft at SMTP time).
     emails = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM event e WHERE e.account = o.account AND e.email = o.to_addr "
-        "AND e.kind = 'softbounce' AND e.outbox = o.id) FROM outbox o WHERE o.account = ? "
-        "AND o.to_addr = ? AND o.status = 'sent' ORDER BY o.id DESC LIMIT ?",
-        (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
+        "SELECT soft FROM (SELECT o.id, o.status, EXISTS (SELECT 1 FROM event e "
+        "WHERE e.outbox = o.id AND e.kind = 'softbounce') AS soft FROM outbox o "
+        "WHERE o.account = ? AND o.to_addr = ?) AS emails WHERE status = 'sent' OR soft "
+        "ORDER BY id DESC LIMIT ?", (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
     run = 0
     for (soft,) in emails:
         if not soft:
@@ -5114,9 +5115,8 @@ class _Courier:
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
                 "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
                 "attempt_started = NULL WHERE id = ?", results)
-            for account, address, campaign, batch, outbox in bounces:
-                suppress(self.conn, account, address, "bounced", campaign, batch=batch,
-                         outbox=outbox)
+            for report in bounces:
+                apply_bounce(self.conn, report)
             if attempting is not None:
                 self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
                                   (_now(), attempting))
@@ -5309,10 +5309,11 @@ class _Courier:
             outcome(row, "failed", "failed", attempts, error=error)
             if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
-                letter = self.letters[(row["batch"], row["message"])]
-                bounces.append((row["account"], row["to_addr"], letter.campaign, row["batch"],
-                                row["id"]))
+                bounces.append({"type": "hard", "outbox": row["id"]})
                 counts["bounced"] += 1
+            elif row["kind"] == "campaign" and code < 500:
+                # Given up on a temporary failure: a soft bounce of this email.
+                bounces.append({"type": "soft", "outbox": row["id"]})
         self.record(results, bounces)
         run.add(counts, unreachable)
         return unreachable

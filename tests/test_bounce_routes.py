@@ -241,6 +241,21 @@ def test_soft_bounces_that_name_no_email_take_the_latest_one(mailed, api, db):
     assert set(status_of(db, "soft@example.net")) == {"bounced"}
 
 
+def test_giving_up_on_temporary_smtp_failures_is_a_soft_bounce_of_that_email(
+        seed_campaign, smtp_sink, db):
+    smtp_sink.always["full@example.net"] = "452 4.2.2 Mailbox full"
+    for round_number in range(1, 4):
+        seeded = seed_campaign([("full@example.net", "F"), ("fine@example.net", "G")])
+        counts = campaignapi.deliver(db, smtp_sink.address, max_attempts=1)
+        assert (counts["sent"], counts["failed"], counts["bounced"]) == (1, 1, 0)
+        soft = events(db, "softbounce")
+        assert len(soft) == round_number
+        assert (soft[-1]["batch"], soft[-1]["outbox"]) == (seeded["batch"], seeded["outbox"][0])
+        expected = {"bounced"} if round_number == 3 else {"active"}
+        assert set(status_of(db, "full@example.net")) == expected
+    assert set(status_of(db, "fine@example.net")) == {"active"}
+
+
 def test_soft_bounces_of_an_address_never_mailed_count_each(api, db):
     ds = make_datasource(api)
     import_csv(api, ds, "email\nnever@example.net\n")
