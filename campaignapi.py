@@ -5390,7 +5390,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     twice; the others are queued again.  A 4xx reply queues the
     row again with backoff until ``max_attempts``; a 5xx reply fails it, and
     a ``5.1.x`` reply to a campaign email marks the address bounced for the
-    account.  Campaign emails are rendered here, from the message and the
+    account; a campaign email given up on after 4xx replies is a soft bounce
+    (apply_bounce()).  Campaign emails are rendered here, from the message and the
     recipient; notifications carry their own subject and body.
 
     :param db: the database path.
