@@ -28,6 +28,8 @@ __all__ = [
     "create_key", "list_keys", "revoke_key", "LEVELS",
     "connect", "transaction", "init_db",
     "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue_email",
+    "apply_bounce", "classify_bounce", "process_bounce_mailbox", "read_bounce_mailbox",
+    "verp_address", "read_verp", "message_id_for", "read_message_id", "MailboxError",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "Unauthorized", "InsufficientAccess", "NotFound", "MethodNotAllowed",
@@ -1112,12 +1114,15 @@ class Route:
     ``reads_body=False``: the route takes no parameters from the body and
     ignores whatever body comes (an HTML form post, an RFC 8058 one-click
     unsubscribe), instead of answering 415 for a body that is not JSON.
+
+    ``body`` is the OpenAPI requestBody of a route that reads its body itself;
+    ``errors`` adds error statuses its handler answers beyond the pipeline's.
     """
 
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
     def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
-                 answers=None, reads_body=True):
+                 answers=None, reads_body=True, body=None, errors=()):
         self.method, self.path, self.level, self.handler = method, path, level, handler
         # An operation of a record kind (Resource.get, .create, ...) takes the
         # parameters its kind declares for it and answers that kind.
@@ -1134,7 +1139,7 @@ class Route:
         self.summary, self.answers = summary, answers
         self.params = {p.name: p for p in map(Param, params.split())}
         self.writes = method != "GET" if writes is None else writes
-        self.reads_body = reads_body
+        self.reads_body, self.body, self.errors = reads_body, body, tuple(errors)
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
@@ -1397,6 +1402,10 @@ class Service:
         self._local = threading.local()
         self._secret = None
         self._keys = {}  # Authorization header -> (key row, remembered until, epoch)
+        # How /v1/bounce/ses fetches SNS signing certificates, and the hosts
+        # they may come from: tests point these at a local HTTPS server; the
+        # signature is checked either way.
+        self.sns_fetch, self.sns_cert_host = fetch_https, SNS_CERT_HOST
 
     def key(self, conn, header):
         """authenticate(), remembering a verified key for key_cache_seconds."""
@@ -1520,10 +1529,11 @@ def _internal_error(response_id):
                     "reporting it.")
 
 
-def _stored_secret(conn):
+def _stored_secret(conn, create=True):
+    """The secret kept in the database, made on first use (unless not ``create``: None)."""
     row = conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()
-    if row:
-        return row["value"]
+    if row or not create:
+        return row and row["value"]
     with transaction(conn):
         conn.execute("INSERT OR IGNORE INTO setting (name, value) VALUES ('secret', ?)",
                      (secrets.token_hex(32),))
@@ -4973,6 +4983,9 @@ def _verp_bounce(msg):
     return kind, None, reason or _short(subject or "a delivery failure at the VERP address")
 
 
+_UNREADABLE = "the message could not be read"
+
+
 def _no_bounce(reason):
     return {"type": "none", "email": None, "outbox": None, "message_id": None, "reason": reason}
 
@@ -5031,7 +5044,7 @@ def classify_bounce(raw, secret=None):
         return _classify(raw, secret)
     except Exception:  # a message no parser can read is no bounce
         log.warning("a bounce message could not be read; taken as no bounce", exc_info=True)
-        return _no_bounce("the message could not be read")
+        return _no_bounce(_UNREADABLE)
 
 
 class MailboxError(Exception):
@@ -5141,6 +5154,279 @@ def _handle_one(imap, uid, handle, max_bytes):
     if not done:
         log.warning("bounce mailbox: message %s was not understood; left", uid.decode())
     return bool(done)
+
+
+# Applying bounces: the rules, the one place every source ends --------------
+
+#: A soft bounce suppresses the address when the latest this many emails the
+#: account sent to it all soft-bounced.
+SOFT_BOUNCE_LIMIT = 3
+#: A report known only by its address applies to the accounts that mailed
+#: that address within this many days.
+BOUNCE_WINDOW_DAYS = 30
+#: The largest body the bounce routes read: far above any bounce of ours
+#: (only the head of a message is read anyway); larger ones are 413 unread.
+BOUNCE_MAX_BODY = 2 * 1024 * 1024
+#: Seconds between two reads of the bounce mailbox by the worker.
+MAILBOX_INTERVAL = 60
+_OUR_MESSAGE_ID = re.compile(r"<?(0|[1-9][0-9]{0,18})\.([a-z2-7]{16})@[^<>\s]+>?")
+
+
+def message_id_for(secret, outbox_id, domain):
+    """The Message-ID of one outbox email: ``<ID.MAC@domain>``, signed like
+    its VERP address, so a report that quotes it names the email without VERP.
+
+    :param domain: the sender's domain.
+    """
+    return f"<{outbox_id}.{_verp_mac(secret, str(outbox_id))}@{domain}>"
+
+
+def read_message_id(secret, value):
+    """The outbox id a Message-ID made by message_id_for() names, else None."""
+    match = _OUR_MESSAGE_ID.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if match is None or int(match[1]) > MAX_ID:
+        return None
+    return int(match[1]) if hmac.compare_digest(match[2], _verp_mac(secret, match[1])) else None
+
+
+def _bounce_targets(conn, report, account, secret):
+    """``[(account, address, outbox row or None)]`` a report applies to."""
+    outbox = report.get("outbox")
+    if outbox is None and secret and report.get("message_id"):
+        outbox = read_message_id(secret, report["message_id"])
+    if outbox is not None:
+        row = conn.execute("SELECT id, account, batch, to_addr FROM outbox WHERE id = ?",
+                           (outbox,)).fetchone()
+        if row is not None:
+            return [(row["account"], row["to_addr"], row)]
+    address = _normalize_email(report.get("email"))
+    if address is None:
+        return []
+    if account is not None:
+        return [(account, address, _latest_email(conn, account, address, report.get("campaign")))]
+    since = _shift(_now(), -BOUNCE_WINDOW_DAYS * 86400)
+    accounts = [row[0] for row in conn.execute(
+        "SELECT DISTINCT account FROM outbox WHERE to_addr = ? AND created >= ? ORDER BY account",
+        (address, since))]
+    return [(each, address, _latest_email(conn, each, address)) for each in accounts]
+
+
+def _latest_email(conn, account, address, campaign=None):
+    """The latest email the account sent to ``address`` (of ``campaign``):
+    the one a report that names no email is about, nearly always."""
+    where = "" if campaign is None else " AND batch IN (SELECT id FROM batch WHERE campaign = ?)"
+    return conn.execute(
+        "SELECT id, account, batch, to_addr FROM outbox WHERE account = ? AND to_addr = ? "
+        f"AND status = 'sent'{where} ORDER BY id DESC LIMIT 1",
+        (account, address) + (() if campaign is None else (campaign,))).fetchone()
+
+
+def _soft_bounce_run(conn, account, address):
+    """How many soft bounces in a row the address has: the latest emails the
+    account sent to it that each soft-bounced, up to the first that did not
+    (a delivery); soft bounces that name no email (none was sent) count too
+    when every email sent since soft-bounced."""
+    # Sent emails, and those given up on after temporary failures (soft at SMTP time).
+    emails = conn.execute(
+        "SELECT soft FROM (SELECT o.id, o.status, EXISTS (SELECT 1 FROM event e "
+        "WHERE e.outbox = o.id AND e.kind = 'softbounce') AS soft FROM outbox o "
+        "WHERE o.account = ? AND o.to_addr = ?) AS emails WHERE status = 'sent' OR soft "
+        "ORDER BY id DESC LIMIT ?", (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
+    run = 0
+    for (soft,) in emails:
+        if not soft:
+            return run
+        run += 1
+    return run + conn.execute(
+        "SELECT count(*) FROM event WHERE account = ? AND email = ? AND kind = 'softbounce' "
+        "AND outbox IS NULL", (account, address)).fetchone()[0]
+
+
+def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
+    """Count a soft bounce (once per email); the SOFT_BOUNCE_LIMIT-th in a row bounces."""
+    if not conn.execute(
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (account, campaign, batch, outbox, address, _now())).rowcount:
+        return   # a second report of the same email (event_softbounce_once)
+    if _soft_bounce_run(conn, account, address) >= SOFT_BOUNCE_LIMIT:
+        suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
+                 pending=pending)
+
+
+def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
+    """Apply one bounce or complaint, in the caller's transaction; every
+    source (SMTP replies aside) ends here: POST /v1/bounce, the bounce
+    mailbox, the provider callbacks.
+
+    A hard bounce suppresses the address ('bounced') for the account; a
+    complaint suppresses it ('complained'); a soft bounce is counted once per
+    email and the SOFT_BOUNCE_LIMIT-th in a row bounces it.  Each counts in
+    the statistics of the batch of the email it is about.
+
+    Which account and email: the outbox email the report names (VERP, else
+    our signed Message-ID) decides both; else the address within
+    ``account``; else every account that mailed the address in the last
+    BOUNCE_WINDOW_DAYS days.  Without a named email, the latest email the
+    account sent to the address is taken as the one it is about.
+
+    :param report: ``{"type": hard|soft|complaint|none, "email", "outbox",
+        "message_id", "campaign"}`` (classify_bounce()'s, or a provider event);
+        missing keys are None.
+    :param account: the account of the caller (the JSON route's key).
+    :param secret: the signing secret, to read our Message-IDs.
+    :param pending: the on_event list of the caller (see emit()).
+    :returns: ``{"type", "email", "campaign", "batch"}`` (strings or None) of
+        the first account it applied to; type 'none' changes nothing.
+    """
+    kind = report.get("type")
+    answer = {"type": kind if kind in BOUNCE_TYPES else "none",
+              "email": _normalize_email(report.get("email")), "campaign": None, "batch": None}
+    if answer["type"] == "none":
+        return answer
+    for index, (owner, address, email) in enumerate(_bounce_targets(conn, report, account, secret)):
+        batch = email["batch"] if email is not None else None
+        campaign = report.get("campaign")
+        if batch is not None:
+            campaign = conn.execute("SELECT campaign FROM batch WHERE id = ?",
+                                    (batch,)).fetchone()[0]
+        outbox = email["id"] if email is not None else None
+        if kind == "soft":
+            _soft_bounce(conn, owner, address, campaign, batch, outbox, pending)
+        else:
+            suppress(conn, owner, address, "bounced" if kind == "hard" else "complained",
+                     campaign, batch=batch, outbox=outbox, pending=pending)
+        if index == 0:
+            answer.update(email=address, campaign=campaign and str(campaign),
+                          batch=batch and str(batch))
+    return answer
+
+
+# The bounce mailbox, read by the command and the worker -----------------------
+
+def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=False, secret=None,
+                           timeout=30, ssl_context=None):
+    """Read the bounce mailbox once: each message is classified and applied
+    (apply_bounce()) in a transaction of its own, then deleted; a message
+    that is no bounce is deleted too, after a log line (the mailbox is the
+    envelope sender's, where nobody reads); one that cannot be read at all,
+    or whose transaction fails, is left and logged.
+
+    :param db: the database path or URL.
+    :param imap: ``"host:port"`` of the IMAP server.
+    :param secret: the signing secret; default the one stored in the database.
+    :returns: ``{"processed": n, "left": n}``.
+    :raises MailboxError: the server cannot be reached, refuses the login or
+        has no such folder.
+    """
+    host, port = server_address(imap, "the IMAP server")
+    conn = connect(db)
+    try:
+        # No stored secret yet: nothing was signed, so no report can name an email.
+        secret = secret or _stored_secret(conn, create=False)
+
+        def handle(raw):
+            report = classify_bounce(raw, secret)
+            if report["reason"] == _UNREADABLE:
+                return False
+            with transaction(conn):
+                answer = apply_bounce(conn, report, secret=secret)
+            log.info("bounce mailbox: %s for %s (%s)", answer["type"],
+                     answer["email"] or "no known address", report["reason"])
+            return True
+
+        return read_bounce_mailbox(host, port, user, password, folder=folder, ssl=ssl,
+                                   handle=handle, timeout=timeout, ssl_context=ssl_context)
+    finally:
+        conn.close()
+
+
+# The bounce routes -------------------------------------------------------------
+
+#: POST /v1/bounce with JSON: the parameters, checked as the pipeline checks any.
+_BOUNCE_PARAMS = "email:email type:hard|soft|complaint campaign:int reason:text"
+_BOUNCE_JSON = Route("POST", "/bounce", "write", None, "email:email! type:hard|soft|complaint! "
+                     "campaign:int reason:text")
+_RAW_TYPES = ("message/rfc822", "message/global")
+
+
+def _content_type():
+    return bottle.request.environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+
+
+def _bounce_body(call):
+    """The raw body of a bounce route, refused (413) over the bounce limit unread."""
+    return _read_body(bottle.request.environ, min(call.service.config["max_body"], BOUNCE_MAX_BODY))
+
+
+def _bounce_post(call):
+    environ, secret = bottle.request.environ, call.service.secret
+    if _content_type() in _RAW_TYPES:
+        if call.params:
+            raise InvalidParameter("A raw message comes alone, without parameters.",
+                                   field=sorted(call.params))
+        raw = _bounce_body(call)
+        if not raw.strip():
+            raise MissingParameter("The body is empty: send the whole bounce or feedback email.")
+        report = classify_bounce(raw, secret)
+    else:
+        params = _read_params(_BOUNCE_JSON, environ, call.service.config["max_body"])
+        if not params["email"]:
+            raise InvalidParameter("'email' is the address that bounced or complained.",
+                                   field="email")
+        campaign = params.get("campaign")
+        if campaign is not None:
+            CAMPAIGN.find(call.conn, call.account, campaign)
+        report = {"type": params["type"], "email": params["email"], "campaign": campaign}
+    with transaction(call.conn):
+        answer = apply_bounce(call.conn, report, account=call.account, secret=secret,
+                              pending=call.memo.setdefault("events", []))
+    return {"bounce": answer}
+
+
+def _provider_callback(call, setting, read):
+    """A provider route: 404 without its setting; read and authenticate the
+    call with ``read(body)``, then apply its events in one transaction."""
+    if not call.service.config[setting]:
+        raise NotFound(f"This route is off: the setting {setting} is not given.")
+    body, secret = _bounce_body(call), call.service.secret
+    try:
+        events = read(body)
+    except ProviderAuthError as error:
+        raise Unauthorized(str(error)) from None
+    except _NotJson as error:
+        raise InvalidJson(str(error)) from None
+    except ValueError as error:
+        raise InvalidParameter(str(error)) from None
+    with transaction(call.conn):
+        for event in events:
+            apply_bounce(call.conn, event, secret=secret,
+                         pending=call.memo.setdefault("events", []))
+    return {"received": str(len(events))}
+
+
+def _bounce_ses(call):
+    service = call.service
+    return _provider_callback(call, "ses_topic_arns", lambda body: read_sns(
+        body, topic_arns=service.config["ses_topic_arns"], fetch=service.sns_fetch,
+        cert_url_pattern=service.sns_cert_host))
+
+
+def _bounce_mailgun(call):
+    return _provider_callback(call, "mailgun_signing_key", lambda body: read_mailgun(
+        body, call.service.config["mailgun_signing_key"]))
+
+
+def _bounce_postmark(call):
+    return _provider_callback(call, "postmark_credentials", lambda body: read_postmark(
+        body, _request_header("Authorization"), call.service.config["postmark_credentials"]))
+
+
+def _bounce_sendgrid(call):
+    return _provider_callback(call, "sendgrid_public_key", lambda body: read_sendgrid(
+        body, _request_header("X-Twilio-Email-Event-Webhook-Signature"),
+        _request_header("X-Twilio-Email-Event-Webhook-Timestamp"),
+        call.service.config["sendgrid_public_key"]))
 
 
 # ---------------------------------------------------------------------------
@@ -5275,14 +5561,16 @@ class Letter:
         self.html = wrap(html_body) if html_body else None
         self.boundary = ("=_" + secrets.token_hex(16)).encode("ascii")
 
-    def build(self, to_addr, values=None, unsubscribe=None):
+    def build(self, to_addr, values=None, unsubscribe=None, message_id=None):
         """The email to ``to_addr`` as bytes (RFC 5322, CRLF line ends).
 
         :param values: merge values, ``{name: str}``; names without case.
+        :param message_id: the Message-ID (default: a new random one).
         """
         values = {name.lower(): str(value) for name, value in (values or {}).items()}
+        message_id = message_id or email.utils.make_msgid(domain=self.domain)
         head = [self.head, _header("To", to_addr), b"Date: ", email.utils.formatdate(usegmt=True).encode(),
-                b"\r\nMessage-ID: ", email.utils.make_msgid(domain=self.domain).encode(), b"\r\n"]
+                b"\r\nMessage-ID: ", message_id.encode(), b"\r\n"]
         if self.subject is not None:
             head.append(_header("Subject", self.subject.fill(values)))
         if unsubscribe:
@@ -5333,7 +5621,7 @@ def message_letter(conn, campaign, message, sent, base, mail_from):
     return letter
 
 
-def recipient_email(letter, secret, to_addr, values, recipient=None):
+def recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
     """``(sender, email bytes)`` of a campaign Letter for one recipient: the
     merge ``values`` with the unsubscribe link.
 
@@ -5347,7 +5635,7 @@ def recipient_email(letter, secret, to_addr, values, recipient=None):
     elif letter.base:
         link = unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
     values["unsubscribe_url"] = link or ""
-    return letter.sender, letter.build(to_addr, values, link)
+    return letter.sender, letter.build(to_addr, values, link, message_id)
 
 
 def dkim_signer(domain, selector, private_key):
@@ -5483,9 +5771,8 @@ class _Courier:
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
                 "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
                 "attempt_started = NULL WHERE id = ?", results)
-            for account, address, campaign, batch, outbox in bounces:
-                suppress(self.conn, account, address, "bounced", campaign, batch=batch,
-                         outbox=outbox, pending=pending)
+            for report in bounces:
+                apply_bounce(self.conn, report, pending=pending)
             if attempting is not None:
                 self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
                                   (_now(), attempting))
@@ -5544,7 +5831,15 @@ class _Courier:
         values = recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
         if letter.links is not None:
             values.update(tracking_values(self.run.secret, letter.base, row["id"], letter.links))
-        return recipient_email(letter, self.run.secret, row["to_addr"], values, row["recipient"])
+        # Signed with the outbox id, so that a bounce or complaint that comes
+        # back later names this email: in the envelope sender (VERP, with a
+        # bounce domain) and in the Message-ID that reports quote.
+        sender, data = recipient_email(
+            letter, self.run.secret, row["to_addr"], values, row["recipient"],
+            message_id=message_id_for(self.run.secret, row["id"], letter.domain))
+        if self.run.bounce_domain:
+            sender = verp_address(self.run.secret, row["id"], self.run.bounce_domain)
+        return sender, data
 
     # The SMTP side.
 
@@ -5665,10 +5960,11 @@ class _Courier:
             outcome(row, "failed", "failed", attempts, error=error)
             if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
-                letter = self.letters[(row["batch"], row["message"])]
-                bounces.append((row["account"], row["to_addr"], letter.campaign, row["batch"],
-                                row["id"]))
+                bounces.append({"type": "hard", "outbox": row["id"]})
                 counts["bounced"] += 1
+            elif row["kind"] == "campaign" and code < 500:
+                # Given up on a temporary failure: a soft bounce of this email.
+                bounces.append({"type": "soft", "outbox": row["id"]})
         self.record(results, bounces)
         run.add(counts, unreachable)
         return unreachable
@@ -5676,9 +5972,14 @@ class _Courier:
 
 def smtp_address(smtp):
     """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
-    host, _, port = (smtp or "").rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"the SMTP server must be given as host:port, not {smtp!r}")
+    return server_address(smtp, "the SMTP server")
+
+
+def server_address(text, what):
+    """``(host, port)`` of ``"host:port"`` ("[::1]:25" for IPv6); ``what`` names it in errors."""
+    host, _, port = (text or "").rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be given as host:port, not {text!r}")
     return host.strip("[]"), int(port)
 
 
@@ -5687,7 +5988,7 @@ class _Run:
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
                  sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
-                 on_event=None):
+                 on_event=None, bounce_domain=""):
         self.db = db
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
@@ -5695,6 +5996,7 @@ class _Run:
         self.public_url, self.mail_from, self.secret = public_url, mail_from, secret
         self.max_attempts, self.timeout, self.now, self.stop = max_attempts, timeout, now, stop
         self.on_event = on_event
+        self.bounce_domain = bounce_domain
         self.pace = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
@@ -5729,7 +6031,7 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None, stale_claim=STALE_CLAIM, on_event=None):
+            stop=None, stale_claim=STALE_CLAIM, on_event=None, bounce_domain=""):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
@@ -5740,7 +6042,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     twice; the others are queued again.  A 4xx reply queues the
     row again with backoff until ``max_attempts``; a 5xx reply fails it, and
     a ``5.1.x`` reply to a campaign email marks the address bounced for the
-    account.  Campaign emails are rendered here, from the message and the
+    account; a campaign email given up on after 4xx replies is a soft bounce
+    (apply_bounce()).  Campaign emails are rendered here, from the message and the
     recipient; notifications carry their own subject and body.
 
     :param db: the database path.
@@ -5761,6 +6064,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         worker's; it must be longer than any live worker takes over one chunk.
     :param on_event: called with the ``recipient.bounced`` events of hard
         bounces after their commit (see emit()).
+    :param bounce_domain: the setting ``bounce_domain``: campaign emails get the
+        VERP envelope sender ``bounces+TOKEN@bounce_domain``.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = smtp_address(smtp)
@@ -5798,7 +6103,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
         mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
-        stop=stop or threading.Event(), on_event=on_event)
+        stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain)
     couriers = [_Courier(run) for _ in range(max(1, connections))]
     if len(couriers) == 1:
         couriers[0].deliver()
@@ -5844,7 +6149,7 @@ def _repeat(stop, interval, step, name):
 
 
 def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
-               webhook_allow_private=False, templates_dir="", **delivery):
+               webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
     """The background work, until ``stop_event`` is set: make due batches
     (process_due), post stored events to webhooks (deliver_webhooks) and,
     when ``smtp`` is given, deliver the outbox (deliver() with ``delivery``
@@ -5858,6 +6163,9 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
         worker``) has no callback, and services learn of those events by webhook.
     :param webhook_allow_private: the setting of that name.
     :param templates_dir: where template files named by defaulttemplate are.
+    :param bounce_mailbox: process_bounce_mailbox() keyword arguments
+        (``imap``, ``user``, ``password``, ...): the mailbox is read every
+        MAILBOX_INTERVAL seconds.
     """
     def make_batches():
         return process_due(db, on_event=on_event, templates_dir=templates_dir) > 0
@@ -5877,10 +6185,19 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
             raise ConnectionError(counts["error"])
         return counts["sent"] + counts["failed"] + counts["retried"] > 0
 
-    steps = [("batches", make_batches), ("webhooks", deliver_events)] + (
-        [("delivery", deliver_outbox)] if smtp else [])
-    threads = [threading.Thread(target=_repeat, args=(stop_event, interval, step, name),
-                                name=f"campaignapi-{name}", daemon=True) for name, step in steps]
+    def read_bounces():
+        try:
+            process_bounce_mailbox(db, **bounce_mailbox)
+        except MailboxError as error:   # a line, not a traceback, each minute it lasts
+            log.warning("bounce mailbox: %s", error)
+        return False
+
+    steps = [("batches", make_batches, interval), ("webhooks", deliver_events, interval)]
+    steps += [("delivery", deliver_outbox, interval)] if smtp else []
+    steps += [("bounces", read_bounces, MAILBOX_INTERVAL)] if bounce_mailbox else []
+    threads = [threading.Thread(target=_repeat, args=(stop_event, every, step, name),
+                                name=f"campaignapi-{name}", daemon=True)
+               for name, step, every in steps]
     for thread in threads:
         thread.start()
     while any(thread.is_alive() for thread in threads):
@@ -6354,11 +6671,15 @@ def _crypto():
                                  padding=padding, rsa=rsa)
 
 
+class _NotJson(ValueError):
+    """A provider call whose body (or a part of it) is not JSON."""
+
+
 def _json_body(body, what="The body"):
     try:
         return json.loads(body)
     except (ValueError, RecursionError, TypeError):   # also bad UTF-8 and deep nesting
-        raise ValueError(f"{what} is not JSON.") from None
+        raise _NotJson(f"{what} is not JSON.") from None
 
 
 def _text(value, what, required=True):
@@ -7088,7 +7409,7 @@ def _route_statuses(route):
         statuses.add(404)
     if route.writes:
         statuses |= {409, 422}
-    return sorted(statuses)
+    return sorted(statuses | set(route.errors))
 
 
 def _success_data(route):
@@ -7135,7 +7456,9 @@ def _operation(route):
         + [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p, True)}
            for p in route.params.values() if p.type != "list"],
     }
-    if route.params:
+    if route.body:
+        operation["requestBody"] = route.body
+    elif route.params:
         required = [p.name for p in route.params.values() if p.required]
         body = {"type": "object", "additionalProperties": False,
                 "properties": {p.name: _param_schema(p) for p in route.params.values()}}
@@ -7235,6 +7558,34 @@ _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no enve
 # The route table and create_app()
 # ---------------------------------------------------------------------------
 
+# What the bounce routes take and answer, for the OpenAPI document.
+_BOUNCE_ANSWER = {"type": "object", "required": ["bounce"], "properties": {"bounce": {
+    "type": "object", "required": ["type", "email", "campaign", "batch"],
+    "properties": {"type": {"enum": list(BOUNCE_TYPES)}, "email": {"type": ["string", "null"]},
+                   "campaign": {"type": ["string", "null"]},
+                   "batch": {"type": ["string", "null"]}}}}}
+_RECEIVED_ANSWER = {"type": "object", "required": ["received"],
+                    "properties": {"received": {"type": "string", "pattern": "^[0-9]+$"}}}
+_RAW_MESSAGE = {"schema": {"type": "string", "format": "binary"}}
+_BOUNCE_REQUEST = {"required": True, "description": "A whole bounce or feedback email, or the "
+                   "parameters as JSON (they may come in the query string instead).",
+                   "content": {"message/rfc822": _RAW_MESSAGE, "application/json": {"schema": {
+                       "type": "object", "additionalProperties": False,
+                       "required": ["email", "type"],
+                       "properties": {"email": {"type": "string", "format": "email"},
+                                      "type": {"enum": ["hard", "soft", "complaint"]},
+                                      "campaign": _BODY_TYPES["int"],
+                                      "reason": _BODY_TYPES["text"]}}}}}
+
+
+def _provider_route(name, handler, summary, what):
+    """The route of a provider's callback: public, its body read by the handler."""
+    return Route("POST", f"/bounce/{name}", None, handler, reads_body=False, writes=False,
+                 summary=summary, answers=_RECEIVED_ANSWER, errors=(401, 404), body={
+                     "required": True, "description": what, "content": {"application/json": {
+                         "schema": {"type": ["object", "array"]}}}})
+
+
 #: Every route of the API, one line each: (method, path, level, handler[, parameters]).
 #: A record kind's operation (DATASOURCE.get, .create, .change, .delete) takes
 #: the parameters its kind declares; other handlers list theirs here.  A path
@@ -7323,7 +7674,42 @@ ROUTES = [
           summary="A tracked link of an email: redirects to the link's URL",
           answers={"status": 302, "description": "To the URL stored for the link.",
                    "headers": {"Location": {"schema": {"type": "string"}}}}),
+
+    # Bounces and complaints: reported with a key, or by a provider (signed its way)
+    Route("POST",   "/bounce", "write", _bounce_post, _BOUNCE_PARAMS, reads_body=False,
+          writes=False, summary="Report a bounce or complaint: a raw email, or JSON",
+          answers=_BOUNCE_ANSWER, body=_BOUNCE_REQUEST, errors=(404,)),
+    _provider_route("ses", _bounce_ses, "Amazon SES bounces and complaints through SNS",
+                    "An SNS message (signed)."),
+    _provider_route("mailgun", _bounce_mailgun, "Mailgun bounces and complaints",
+                    "A Mailgun webhook call (signed)."),
+    _provider_route("postmark", _bounce_postmark, "Postmark bounces and spam complaints",
+                    "A Postmark webhook call (basic auth)."),
+    _provider_route("sendgrid", _bounce_sendgrid, "SendGrid bounces and spam reports",
+                    "SendGrid's signed event webhook call."),
 ]
+
+
+def _checked_bounce_settings(config):
+    """The settings of the bounce routes checked (ValueError naming the one at
+    fault), so a wrong one fails at start rather than on a provider's call."""
+    domain = config["bounce_domain"]
+    if domain and not re.fullmatch(rf"{_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+", domain):
+        raise ValueError(f"bounce_domain must be a domain name such as bounces.example.com, "
+                         f"not {domain!r}")
+    credentials = config["postmark_credentials"]
+    if credentials and ":" not in credentials:
+        raise ValueError("postmark_credentials must be USER:PASSWORD")
+    if config["sendgrid_public_key"]:
+        load_sendgrid_public_key(config["sendgrid_public_key"])
+    arns = config["ses_topic_arns"]
+    arns = (arns,) if isinstance(arns, str) else tuple(arns or ())
+    for arn in arns:
+        if not isinstance(arn, str) or not re.fullmatch(r"arn:[\w.-]+:sns:[\w-]+:\d{12}:[\w-]{1,256}",
+                                                        arn):
+            raise ValueError(f"ses_topic_arns must be SNS topic ARNs such as "
+                             f"arn:aws:sns:us-east-1:123456789012:bounces, not {arn!r}")
+    return {**config, "ses_topic_arns": arns}
 
 
 def create_app(db="campaignapi.db", **config):
@@ -7331,12 +7717,15 @@ def create_app(db="campaignapi.db", **config):
 
     :param db: path of the SQLite file; created with the schema if new.
     :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
+    :raises ValueError: a bounce setting that cannot work (bounce_domain,
+        postmark_credentials, sendgrid_public_key, ses_topic_arns).
     """
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"create_app() got unknown settings: {', '.join(sorted(unknown))}")
+    config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
     init_db(db)
-    service = Service(db, {**DEFAULT_CONFIG, **config})
+    service = Service(db, config)
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
@@ -7477,6 +7866,18 @@ def _smtp(text):
 
 
 @_argument_type
+def _imap(text):
+    server_address(text, "the IMAP server")
+    return text
+
+
+@_argument_type
+def _domain(text):
+    _checked_bounce_settings({**DEFAULT_CONFIG, "bounce_domain": text})
+    return text.lower()
+
+
+@_argument_type
 def _levels(text):
     return ",".join(_parse_levels(text))
 
@@ -7608,7 +8009,7 @@ def _cmd_serve(args):
             secret = _new_account_key(args.db, args.email)
             app = create_app(args.db, public_url=public_url, max_body=args.max_body,
                              webhook_allow_private=args.webhook_allow_private,
-                             templates_dir=args.templates_dir or "")
+                             templates_dir=args.templates_dir or "", **_bounce_settings(args))
     finally:
         for sock in sockets:
             sock.close()
@@ -7649,6 +8050,35 @@ def _stop_on_sigterm(action):
     signal.signal(signal.SIGTERM, lambda signum, frame: action())
 
 
+def _bounce_settings(args):
+    """create_app() settings of the bounce routes from serve's options."""
+    settings = {"bounce_domain": args.bounce_domain or "",
+                "mailgun_signing_key": args.mailgun_signing_key or "",
+                "postmark_credentials": args.postmark_credentials or "",
+                "sendgrid_public_key": args.sendgrid_public_key or "",
+                "ses_topic_arns": tuple(args.ses_topic_arn or ())}
+    for name, value in settings.items():
+        try:
+            _checked_bounce_settings({**DEFAULT_CONFIG, name: value})
+        except ValueError as error:
+            option = "--ses-topic-arn" if name == "ses_topic_arns" else "--" + name.replace("_", "-")
+            raise _Refused(f"{option}: {error}") from None
+    return settings
+
+
+def _cmd_bounces(args):
+    options = _mailbox_options(args)
+    _check_database(args.db, must_exist=True)
+    with _database_errors(args.db):
+        init_db(args.db)
+        try:
+            counts = process_bounce_mailbox(args.db, **options)
+        except MailboxError as error:
+            raise _Refused(str(error)) from None
+    print(f"{counts['processed']} processed and deleted, {counts['left']} left in "
+          f"{options['folder']}")
+
+
 def _cmd_worker(args):
     options = _worker_options(args)
     _check_database(args.db, must_exist=True)
@@ -7657,12 +8087,45 @@ def _cmd_worker(args):
     stop = threading.Event()
     _stop_on_sigterm(stop.set)
     print(f"campaignapi {__version__} worker on {args.db}, "
-          + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills"),
+          + (f"delivering through {args.smtp}" if args.smtp else "no --smtp: the outbox fills")
+          + (f", reading the bounce mailbox at {args.imap} every minute" if args.imap else ""),
           flush=True)
     try:
         run_worker(args.db, stop, **options)
     except KeyboardInterrupt:
         stop.set()
+
+
+def _add_mailbox_options(parser, required=False):
+    group = parser.add_argument_group(
+        "the bounce mailbox" + ("" if required else ", read every minute (default: none)"))
+    group.add_argument("--imap", required=required, default=None, type=_imap, metavar="HOST:PORT",
+                       help="the IMAP server of the mailbox bounces arrive in, e.g. "
+                            "imap.example.com:993 with --ssl")
+    group.add_argument("--user", default=None, metavar="NAME", help="the mailbox's login")
+    group.add_argument("--password", default=os.environ.get("CAMPAIGNAPI_IMAP_PASSWORD"),
+                       metavar="PASSWORD", help="default: $CAMPAIGNAPI_IMAP_PASSWORD")
+    group.add_argument("--folder", default="INBOX", help="default: %(default)s")
+    group.add_argument("--ssl", action="store_true",
+                       help="IMAPS, TLS from the start, certificate checked (default: plain)")
+
+
+def _mailbox_options(args):
+    """process_bounce_mailbox() keyword arguments, or None without --imap."""
+    if not args.imap:
+        if args.user or args.ssl or args.folder != "INBOX":
+            raise _Refused("--user, --folder and --ssl are options of the bounce mailbox: "
+                           "give --imap HOST:PORT too")
+        return None
+    if not args.user or args.password is None:
+        raise _Refused("the bounce mailbox needs --user and --password (or "
+                       "$CAMPAIGNAPI_IMAP_PASSWORD) with --imap")
+    try:
+        _imap_quote(args.folder)
+    except MailboxError as error:
+        raise _Refused(f"--folder: {error}") from None
+    return {"imap": args.imap, "user": args.user, "password": args.password,
+            "folder": args.folder, "ssl": args.ssl}
 
 
 def _add_delivery_options(parser):
@@ -7696,6 +8159,9 @@ def _add_delivery_options(parser):
     parser.add_argument("--templates-dir", default=None, type=_folder, metavar="DIR",
                         help="where template files named by a campaign's defaulttemplate live "
                              "(NAME.html, NAME.txt) (default: none, template records only)")
+    group.add_argument("--bounce-domain", default=None, type=_domain, metavar="DOMAIN",
+                       help="VERP: each campaign email's envelope sender is bounces+TOKEN@DOMAIN, "
+                            "so a later bounce names its email (default: none)")
 
 
 #: What a DKIM key must be able to sign at start-up (so a bad key fails there).
@@ -7733,7 +8199,8 @@ def _worker_options(args):
             "password": args.smtp_password, "connections": args.connections, "rate": args.rate,
             "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or "",
             "webhook_allow_private": args.webhook_allow_private,
-            "templates_dir": args.templates_dir or ""}
+            "templates_dir": args.templates_dir or "",
+            "bounce_domain": args.bounce_domain or "", "bounce_mailbox": _mailbox_options(args)}
 
 
 def _cmd_key(args):
@@ -7765,7 +8232,8 @@ def main(argv=None):
     :param argv: the arguments (default: ``sys.argv[1:]``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "worker", "key", "-h", "--help", "--version"):
+    if not argv or argv[0] not in ("serve", "worker", "key", "bounces", "-h", "--help",
+                                   "--version"):
         argv.insert(0, "serve")
     parser = _ArgumentParser(prog="campaignapi", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=__version__)
@@ -7796,6 +8264,17 @@ def main(argv=None):
                        help="account address used when the database is new, where import "
                             "and export notifications go (default: %(default)s)")
     _add_delivery_options(serve)
+    _add_mailbox_options(serve)
+    providers = serve.add_argument_group("provider callbacks of bounces and complaints "
+                                         "(each route answers 404 until its option is given)")
+    providers.add_argument("--mailgun-signing-key", default=None, metavar="KEY",
+                           help="enables /v1/bounce/mailgun")
+    providers.add_argument("--postmark-credentials", default=None, metavar="USER:PASSWORD",
+                           help="enables /v1/bounce/postmark (HTTP basic auth)")
+    providers.add_argument("--sendgrid-public-key", default=None, metavar="KEY",
+                           help="base64 DER or PEM; enables /v1/bounce/sendgrid")
+    providers.add_argument("--ses-topic-arn", action="append", default=None, metavar="ARN",
+                           help="an SNS topic accepted at /v1/bounce/ses; repeatable")
     serve.set_defaults(func=_cmd_serve)
 
     worker = commands.add_parser("worker", help="make due batches and deliver the outbox, alone")
@@ -7805,7 +8284,15 @@ def main(argv=None):
                         help="base URL of unsubscribe links when a batch has none "
                              "(default: none)")
     _add_delivery_options(worker)
+    _add_mailbox_options(worker)
     worker.set_defaults(func=_cmd_worker)
+
+    bounces = commands.add_parser("bounces", help="read the bounce mailbox once: apply and "
+                                                   "delete each bounce and complaint")
+    bounces.add_argument("--db", default="campaignapi.db", metavar="PATH",
+                         help="the database; it must exist (default: %(default)s)")
+    _add_mailbox_options(bounces, required=True)
+    bounces.set_defaults(func=_cmd_bounces)
 
     key = commands.add_parser("key", help="issue, list and revoke API keys")
     actions = key.add_subparsers(dest="action", required=True)
@@ -7830,6 +8317,8 @@ def main(argv=None):
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    # flufl.bounce logs each detector's guess at INFO: noise on every bounce.
+    logging.getLogger("flufl.bounce").setLevel(logging.WARNING)
     try:
         args.func(args)
     except _Refused as refusal:

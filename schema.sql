@@ -284,6 +284,9 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
 CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
+-- Bounces and complaints find the emails sent to an address (soft bounces in a
+-- row, the accounts that mailed it lately).
+CREATE INDEX IF NOT EXISTS outbox_address ON outbox(to_addr, account);
 
 -- Version 2 --------------------------------------------------------------------
 
@@ -332,6 +335,10 @@ CREATE TABLE IF NOT EXISTS event (
 CREATE INDEX IF NOT EXISTS event_batch ON event(batch, kind, outbox, link, created);
 CREATE INDEX IF NOT EXISTS event_campaign ON event(campaign, batch, kind);
 CREATE INDEX IF NOT EXISTS event_address ON event(account, email, created);
+-- A soft bounce counts once per email (a delay warning and the final failure
+-- of one email are one soft bounce), also when two reports arrive at once.
+CREATE UNIQUE INDEX IF NOT EXISTS event_softbounce_once ON event(outbox)
+    WHERE kind = 'softbounce' AND outbox IS NOT NULL;
 
 -- The links of each message as a batch sent it, by index: a click token
 -- names (outbox email, index) and redirects only to the URL stored here.
