@@ -26,6 +26,8 @@ WRONG = {
     "flag": ["maybe", 2, -1, None, [1], "yes please"],
     "email": [5, "not an address", "a@b", "x@example.com\r\nBcc: y@example.com", ["a@x.com"]],
     "list": ["x", 5, {"a": 1}, None, True],
+    "object": ["x", 5, ["a"], None, True],
+    "ref": ["abc", -1, 1.5, True, [1], MAX_ID + 1, "1e3"],
     "scalar": [[1], {"a": 1}, None, "two\nlines"],
     "data": [5, None, True, 1.5],
     "choice": ["no-such-choice", 5, None, ["all"]],

@@ -85,6 +85,8 @@ def test_levels_and_security_follow_the_route_table(document):
         else:
             assert operation["security"] == []
             assert "401" not in operation["responses"]
+        if route.handler in campaignapi._REQUEST_BODIES:  # reads its own: a sign-up's fields
+            continue
         body = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
         assert set(body.get("schema", {}).get("properties", {})) == set(route.params)
         assert sorted(body.get("schema", {}).get("required", [])) == \

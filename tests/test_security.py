@@ -81,6 +81,8 @@ VALID = {
     ("PUT", "/datasource/{parent_id}/import/{child_id}"): {
         "name": "i", "originalfile": "f.csv", "__uploadtype__": "csv",
         "__uploaddata__": "email\nintruder@example.org\n"},
+    ("PUT", "/datasource/{parent_id}/recipient/{child_id}"): {"email": "intruder@example.org"},
+    ("POST", "/datasource/{parent_id}/recipient/{child_id}"): {"status": "unsubscribed"},
     ("POST", "/datasource/{parent_id}/import/{child_id}"): {"id": 1, "name": "x"},
     ("DELETE", "/datasource/{parent_id}/import/{child_id}"): {"id": 1},
     ("PUT", "/datasource/{parent_id}/organize/{child_id}"): {"item": 1, "folder": "x",
