@@ -3721,7 +3721,12 @@ _UNSUBSCRIBE_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
 <title>{title}</title>
 <style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;color:#222}}
-button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}</style></head>
+button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}
+label{{display:block;font-weight:600;margin-bottom:.2em}}small{{font-weight:normal;color:#555}}
+input:not([type=checkbox]){{font:inherit;width:100%;box-sizing:border-box;padding:.45em;
+border:1px solid #767676;border-radius:4px}}.check label{{display:inline;font-weight:normal}}
+.error{{color:#b00020;font-weight:600}}
+.trap{{position:absolute;left:-10000px;width:1px;height:1px;overflow:hidden}}</style></head>
 <body><h1>{title}</h1>{body}</body></html>
 """
 
@@ -3831,9 +3836,10 @@ def _list_page(title, body, status=200, cors=False):
 _GONE = ("<p>This sign-up form does not exist, or the list no longer takes sign-ups.</p>")
 
 
-def _signup_form(call, ds, values=None, error=None, status=200):
+def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
     """The sign-up form of a datasource: the address and its fields, each
-    with a label; plain HTML that works without JavaScript."""
+    with a label; plain HTML that works without JavaScript.  After a refusal:
+    what was typed, the ``error`` above, and the ``wrong`` field marked."""
     datasource = _signup_list(call, ds)
     if datasource is None:
         return _list_page("Sign-up form not found", _GONE, 404)
@@ -3847,6 +3853,8 @@ def _signup_form(call, ds, values=None, error=None, status=200):
         value = "" if given is None or kind == "boolean" else f' value="{html.escape(str(given))}"'
         checked = " checked" if kind == "boolean" and given not in (None, "", "0") else ""
         extra = ' required autocomplete="email"' if is_email else ""
+        if error and wrong == key:
+            extra += ' aria-invalid="true" aria-describedby="form-error"'
         control = (f'<input id="f{field_id}" name="{html.escape(key)}" '
                    f'{_INPUT_TYPES[kind]}{value}{checked}{extra}>')
         if kind == "boolean":
@@ -3857,7 +3865,8 @@ def _signup_form(call, ds, values=None, error=None, status=200):
                         f'{"" if is_email else " <small>(optional)</small>"}</label>{control}</p>')
         if is_email:  # the address first, whatever the field order
             rows.insert(0, rows.pop())
-    alert = (f'<p class="error" role="alert">{html.escape(error)}</p>' if error else "")
+    alert = (f'<p class="error" id="form-error" role="alert">{html.escape(error)}</p>'
+             if error else "")
     description = (f"<p>{html.escape(datasource['description'])}</p>"
                    if datasource["description"].strip() else "")
     body = (f"{description}{alert}<form method=\"post\" accept-charset=\"utf-8\">{''.join(rows)}"
@@ -3969,7 +3978,7 @@ def _signup_post(call, ds):
             return page
         # The form again, with what was typed and what to fix.
         page = _signup_form(call, ds, {k: v for k, v in given.items() if isinstance(k, str)},
-                            error.message, error.status)
+                            error.message, error.status, error.extra.get("field"))
         page.set_header("Access-Control-Allow-Origin", "*")
         return page
     status = "pending" if datasource["doubleoptin"] else "subscribed"
