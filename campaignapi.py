@@ -7363,7 +7363,8 @@ def _cmd_serve(args):
         options["public_url"] = public_url
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
-            app = create_app(args.db, public_url=public_url, max_body=args.max_body)
+            app = create_app(args.db, public_url=public_url, max_body=args.max_body,
+                             signup_rate=args.signup_rate)
     finally:
         for sock in sockets:
             sock.close()
@@ -7537,6 +7538,10 @@ def main(argv=None):
                        default=DEFAULT_CONFIG["max_body"],
                        help="largest request body; waitress answers a larger one with a "
                             "plain-text 413 before reading it (default: %(default)s, 64 MiB)")
+    serve.add_argument("--signup-rate", type=_whole_number(0, 10**6), metavar="N",
+                       default=DEFAULT_CONFIG["signup_rate"],
+                       help="public sign-ups taken from one client address a minute; 0: no "
+                            "limit (default: %(default)s)")
     # A reserved domain (RFC 2606): notifications go nowhere until the holder
     # starts the first time with --email, which is what a real install does.
     serve.add_argument("--email", default="admin@example.com", type=_address, metavar="ADDR",

@@ -10,7 +10,6 @@ import hmac
 import threading
 
 import pytest
-import webtest
 
 import campaignapi
 from conftest import Api

@@ -7,14 +7,18 @@ burst of 1,000 sign-ups over real HTTP leaves the API answering."""
 import concurrent.futures
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
 import campaignapi
 from conftest import Api, serving
-from helpers import (http, keyed_client, make_campaign, make_signup_list, recipients)
+from helpers import (answers, free_port, http, keyed_client, make_campaign, make_signup_list,
+                     recipients, wait_for)
 
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def shot(page, name):
@@ -157,3 +161,26 @@ def test_a_burst_of_1000_sign_ups_over_http_and_the_api_keeps_answering(tmp_path
     assert len(recipients(api, ds)) == 1000
     assert campaignapi.connect(db).execute(
         "SELECT count(*) FROM outbox WHERE kind = 'signup'").fetchone()[0] == 1000
+
+
+def test_serve_takes_the_per_client_sign_up_limit(tmp_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "campaignapi.py"), "serve", "--db",
+         str(tmp_path / "s.db"), "--port", str(port), "--signup-rate", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        secret = next(line.strip() for line in process.stdout if line.startswith("cak_"))
+        wait_for(lambda: answers(base), what="the server to answer")
+        key = {"Authorization": f"Bearer {secret}"}
+        http(f"{base}/v1/accountprofile/0", "PUT", {"name": "p", "fromaddress": "l@x.example"},
+             key)
+        assert http(f"{base}/v1/datasource/0", "PUT", {"name": "d", "signup": 1,
+                                                       "fromprofile": 1}, key)[0] == 200
+        statuses = [http(f"{base}/v1/subscribe/1", "POST", {"email": f"p{n}@example.com"})[0]
+                    for n in range(3)]
+        assert statuses == [200, 200, 429]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
