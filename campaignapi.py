@@ -3876,17 +3876,26 @@ def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
     return _list_page(f"Subscribe to {datasource['name']}", body, status)
 
 
+def _content_type(environ):
+    return environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+
+
+def _signup_as_page(environ):
+    """Whether a sign-up is answered with a page: a form post, or a browser
+    that sent no JSON; JSON clients get the envelope."""
+    content_type = _content_type(environ)
+    return content_type == "application/x-www-form-urlencoded" or (
+        content_type != "application/json" and _prefers_html(_request_header("Accept")))
+
+
 def _signup_body(environ):
-    """The values of a sign-up as ``({name: value}, as_page)``: a form post
-    (answered with a page) or a JSON object (answered with the envelope)."""
-    content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
-    form = content_type == "application/x-www-form-urlencoded"
-    as_page = form or (content_type != "application/json"
-                       and _prefers_html(_request_header("Accept")))
+    """The values of a sign-up, ``{name: value}``: from a form post or a
+    JSON object."""
+    content_type = _content_type(environ)
     body = _read_body(environ, SIGNUP_MAX_BODY)
     if not body.strip():
-        return {}, as_page
-    if form:
+        return {}
+    if content_type == "application/x-www-form-urlencoded":
         try:
             pairs = urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True,
                                            encoding="utf-8", errors="strict")
@@ -3897,7 +3906,7 @@ def _signup_body(environ):
             if name in given:
                 raise InvalidParameter(f"'{name[:100]}' is given twice.", field=name)
             given[name] = value
-        return given, True
+        return given
     if content_type != "application/json":
         raise UnsupportedMediaType("Send a sign-up as a form (application/x-www-form-urlencoded) "
                                    "or as JSON.")
@@ -3908,7 +3917,7 @@ def _signup_body(environ):
         raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
     if not isinstance(given, dict):
         raise InvalidJson("The request body must be a JSON object of sign-up values.")
-    return given, as_page
+    return given
 
 
 def _signup_values(call, datasource, given):
@@ -3950,9 +3959,9 @@ def _signup_post(call, ds):
     unconfirmed or a suppressed address, and for a filled honeypot."""
     bottle.response.set_header("Access-Control-Allow-Origin", "*")
     datasource = _signup_list(call, ds)
-    given, as_page = {}, _prefers_html(_request_header("Accept"))
+    given, as_page = {}, _signup_as_page(bottle.request.environ)
     try:
-        given, as_page = _signup_body(bottle.request.environ)
+        given = _signup_body(bottle.request.environ)
         if datasource is None:
             raise NotFound(f"There is no sign-up form at datasource {ds[:30]}.")
         rate = call.service.config["signup_rate"]

@@ -556,3 +556,12 @@ def test_only_active_recipients_count_export_and_receive_campaigns(api, ds, db):
     with database(db) as conn:
         assert [row[0] for row in conn.execute(
             "SELECT to_addr FROM outbox WHERE kind = 'campaign'")] == ["act@example.com"]
+
+
+def test_a_broken_form_post_still_gets_a_page(api, client):
+    ds = make_signup_list(api)
+    for raw in (b"email=%FF%FE", b"email=a%40example.com&email=b%40example.com", b""):
+        page = client.post(f"/v1/subscribe/{ds}", raw,
+                           content_type="application/x-www-form-urlencoded", expect_errors=True)
+        assert page.status_int == 400 and page.content_type == "text/html"
+        assert page.html.find(attrs={"role": "alert"})
