@@ -1426,6 +1426,7 @@ class Service:
         self._local = threading.local()
         self._secret = None
         self._keys = {}  # Authorization header -> (key row, remembered until, epoch)
+        self.signup_limit = _ClientLimit()  # public sign-ups per client address
 
     def key(self, conn, header):
         """authenticate(), remembering a verified key for key_cache_seconds."""
@@ -2169,7 +2170,8 @@ def _recipient_values(call, row):
                            f"(recipient {taken['id']}).", field="email")
         values["email"] = address
     if "fields" in call.params:
-        data = {**(json.loads(row["data"]) if row else {}), **_typed_fields(call, call.params["fields"])}
+        data = {**(json.loads(row["data"]) if row else {}),
+                **_typed_fields(call, call.params["fields"])}
         values["data"] = _to_json({key: value for key, value in data.items() if value is not None})
     status = call.get("status", row["status"] if row else "active")
     if row is not None and row["status"] in SUPPRESSIONS and status in ("active", "unconfirmed"):
@@ -3966,8 +3968,8 @@ def _signup_post(call, ds):
             raise NotFound(f"There is no sign-up form at datasource {ds[:30]}.")
         rate = call.service.config["signup_rate"]
         if rate:
-            limit = call.service.__dict__.setdefault("signup_limit", _ClientLimit())
-            wait = limit.wait(bottle.request.environ.get("REMOTE_ADDR", ""), rate)
+            wait = call.service.signup_limit.wait(bottle.request.environ.get("REMOTE_ADDR", ""),
+                                                  rate)
             if wait:
                 raise TooManyRequests("Too many sign-ups from your network; try again in a "
                                       "minute.", wait)
