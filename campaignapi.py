@@ -4024,19 +4024,20 @@ def _sign_up(call, datasource, address, data):
     becomes active and a blocked one stays as it is.
     """
     conn, now, account = call.conn, _now(), datasource["owner"]
+    status = blocked_status(conn, call.service.secret, account, address) or (
+        "unconfirmed" if datasource["doubleoptin"] else "active")
+    # DO NOTHING: the same address signed up twice at once is stored once,
+    # and the second finds it like any known address (never a 409).
+    stored = conn.execute(
+        "INSERT INTO recipient (datasource, email, data, status, created, updated) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (datasource["id"], address, _to_json(data), status, now, now)).rowcount
     row = conn.execute("SELECT * FROM recipient WHERE datasource = ? AND email = ?",
                        (datasource["id"], address)).fetchone()
-    if row is None:
-        blocked = blocked_status(conn, call.service.secret, account, address)
-        status = blocked or ("unconfirmed" if datasource["doubleoptin"] else "active")
-        recipient_id = conn.execute(
-            "INSERT INTO recipient (datasource, email, data, status, created, updated) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (datasource["id"], address, _to_json(data), status, now, now)).lastrowid
-        call.emit("recipient.subscribed", {"id": str(recipient_id),
+    if stored:
+        call.emit("recipient.subscribed", {"id": str(row["id"]),
                                            "datasource": str(datasource["id"]),
                                            "email": address, "status": status}, account)
-        row = conn.execute("SELECT * FROM recipient WHERE id = ?", (recipient_id,)).fetchone()
         if status == "active":
             _queue_welcome(call, datasource, row)
     elif row["status"] == "unconfirmed" and not datasource["doubleoptin"]:

@@ -15,7 +15,7 @@ import time
 import campaignapi
 from conftest import Api, serving
 from helpers import (answers, free_port, http, keyed_client, make_campaign, make_signup_list,
-                     recipients, wait_for)
+                     recipients, scalar, wait_for)
 
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,8 +159,7 @@ def test_a_burst_of_1000_sign_ups_over_http_and_the_api_keeps_answering(tmp_path
     assert statuses.count(200) == 1000, sorted(set(statuses))
     assert reads and all(status == 200 for status, _ in reads)
     assert len(recipients(api, ds)) == 1000
-    assert campaignapi.connect(db).execute(
-        "SELECT count(*) FROM outbox WHERE kind = 'signup'").fetchone()[0] == 1000
+    assert scalar(db, "SELECT count(*) FROM outbox WHERE kind = 'signup'") == 1000
 
 
 def test_serve_takes_the_per_client_sign_up_limit(tmp_path):
@@ -184,3 +183,14 @@ def test_serve_takes_the_per_client_sign_up_limit(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_one_address_signed_up_many_times_at_once_is_stored_and_mailed_once(api, db,
+                                                                            live_server):
+    ds = make_signup_list(api)
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        answers_ = list(pool.map(lambda _: http(f"{live_server}/v1/subscribe/{ds}", "POST",
+                                                {"email": "ann@example.com"}), range(20)))
+    assert all(status == 200 and b'"pending"' in body for status, _, body in answers_)
+    assert list(recipients(api, ds)) == ["ann@example.com"]
+    assert scalar(db, "SELECT count(*) FROM outbox WHERE kind = 'signup'") == 1
