@@ -6913,6 +6913,11 @@ def _operation(route):
             "content": {"application/json": {"schema": body}}}
     if route.handler in _REQUEST_BODIES:
         operation["requestBody"] = _REQUEST_BODIES[route.handler]
+        operation["description"] = (f"Needs {levels}. The values come in the body only, as "
+                                    "the request body describes; unknown ones are refused.")
+    elif not route.reads_body and not route.params:
+        operation["description"] = (f"Needs {levels}. Opened from a link: it takes no "
+                                    "parameters and ignores the query string.")
     if isinstance(route.answers, dict) and "content" in route.answers:
         success = route.answers
     else:
