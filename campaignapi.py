@@ -112,6 +112,9 @@ DEFAULT_CONFIG = {
     # Webhook URLs may point at loopback and private addresses (never at
     # cloud metadata addresses).  Off: such URLs are refused.
     "webhook_allow_private": False,
+    # Public sign-ups taken from one client address (REMOTE_ADDR) a minute,
+    # in each process; more get 429.  0: no limit.
+    "signup_rate": 30,
     # callable(kind, payload), called after the transaction that raised an
     # event has committed; an exception in it is logged and changes nothing.
     "on_event": None,
@@ -208,6 +211,14 @@ class UnsupportedMediaType(ApiError):
 
 class InvalidData(ApiError):
     status, code = 422, "invalid_data"
+
+
+class TooManyRequests(ApiError):
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message, retry_after):
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after)}
 
 
 # ---------------------------------------------------------------------------
@@ -1053,6 +1064,19 @@ def _check_scalar(name, value):
     return value
 
 
+def _check_ref(name, value):
+    # A reference that may be unset: an id, or '' / null / 0 for none.
+    if value in ("", None, 0, "0"):
+        return None
+    return _check_int(name, value)
+
+
+def _check_object(name, value):
+    if not isinstance(value, dict):
+        raise InvalidParameter(f"'{name}' must be a JSON object.", field=name)
+    return value
+
+
 def _check_data(name, value):
     # An upload: text (csv, base64) or, for json uploads, an array of objects
     # (or that array as a JSON string); the importer reads it further and
@@ -1070,6 +1094,8 @@ PARAM_TYPES = {
     "flag": _check_flag,
     "email": _check_email,
     "list": _check_list,
+    "object": _check_object,
+    "ref": _check_ref,
     "scalar": _check_scalar,
     "data": _check_data,
 }
@@ -1117,6 +1143,9 @@ class Route:
 
     ``body`` is the OpenAPI requestBody of a route that reads its body itself;
     ``errors`` adds error statuses its handler answers beyond the pipeline's.
+    Such a route without parameters is a page a person opens from a link:
+    it ignores the query string too (mail programs and link trackers append
+    ``utm_*`` and the like), so the page never turns into an error envelope.
     """
 
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
@@ -1209,6 +1238,11 @@ class Call:
         return f"{scheme}://{netloc}{root}"
 
 
+def _content_type(environ):
+    """The request's media type, lower-cased, without its parameters."""
+    return environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+
+
 def _read_body(environ, limit):
     """The request body, refusing one over ``limit`` before reading it."""
     length = environ.get("CONTENT_LENGTH") or ""
@@ -1244,6 +1278,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 def _read_params(route, environ, limit):
     """Parameters from the query string and the JSON body (body keys win)."""
     given = {}
+    if not route.reads_body and not route.params:
+        return given
     try:
         pairs = urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True,
                                        encoding="utf-8", errors="strict")
@@ -1255,7 +1291,7 @@ def _read_params(route, environ, limit):
         given[name] = value
     body = _read_body(environ, limit) if route.reads_body else b""
     if body.strip():
-        content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+        content_type = _content_type(environ)
         if content_type != "application/json":
             raise UnsupportedMediaType("Send parameters as JSON with Content-Type: application/json.")
         try:
@@ -1406,6 +1442,7 @@ class Service:
         # they may come from: tests point these at a local HTTPS server; the
         # signature is checked either way.
         self.sns_fetch, self.sns_cert_host = fetch_https, SNS_CERT_HOST
+        self.signup_limit = _ClientLimit()  # public sign-ups per client address
 
     def key(self, conn, header):
         """authenticate(), remembering a verified key for key_cache_seconds."""
@@ -1879,7 +1916,40 @@ def _datasource_record(call, row):
     return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
             "description": row["description"], "origin": row["origin"], "fields": fields,
             "recipients": str(recipients), "created": row["created"],
-            "deleted": str(row["deleted"])}
+            "deleted": str(row["deleted"]), "signup": str(row["signup"]),
+            "doubleoptin": str(row["doubleoptin"]),
+            **{name: None if row[name] is None else str(row[name]) for name in _SIGNUP_REFS}}
+
+
+#: The sign-up settings that name another record of the account.
+_SIGNUP_REFS = ("confirmmessage", "welcomemessage", "fromprofile")
+
+
+def _datasource_values(call, row):
+    """The columns of a datasource create or change, with the sign-up
+    settings checked: their messages and profile are live records of the
+    account, a confirmation message carries {{confirm_url}} in each body it
+    has, and sign-ups need a sender profile."""
+    values = _columns(call, DATASOURCE.column_names)
+    for name, kind in (("confirmmessage", MESSAGE), ("welcomemessage", MESSAGE),
+                       ("fromprofile", ACCOUNTPROFILE)):
+        if values.get(name) is None:
+            continue
+        try:
+            record = kind.find(call.conn, call.account, values[name], live=True)
+        except (NotFound, Conflict) as error:
+            raise InvalidParameter(f"'{name}': {error.message}", field=name) from None
+        if name == "confirmmessage":
+            bodies = [record[body] for body in ("html", "text") if record[body].strip()]
+            if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
+                raise InvalidParameter(
+                    f"Message {values[name]} cannot be the confirmation email: each of its "
+                    "bodies must carry the merge tag {{confirm_url}}.", field=name)
+    merged = {**(dict(row) if row else {}), **values}
+    if merged.get("signup") and merged.get("fromprofile") is None:
+        raise Conflict("A datasource takes sign-ups only with a sender profile for its "
+                       "emails: set 'fromprofile' too.", field="signup")
+    return values
 
 
 def _checked_fields(fields):
@@ -1931,7 +2001,9 @@ def _add_fields(call, datasource):
 
 DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
-    columns="name:str description:text origin:import|signup|api", required="name",
+    columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
+            "confirmmessage:ref welcomemessage:ref fromprofile:ref", required="name",
+    values=_datasource_values,
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
     selectors={"import": "origin = 'import'"},
     after_create=_add_fields, after_change=_add_fields)
@@ -2063,9 +2135,150 @@ def _recipient_record(call, row):
             "updated": row["updated"]}
 
 
+def erasure_hash(secret, address):
+    """The one-way form of an erased address: HMAC-SHA256 under the app
+    secret of the address lower-cased, so the table alone names nobody."""
+    return hmac.new(secret.encode("utf-8") if isinstance(secret, str) else secret,
+                    address.lower().encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def blocked_status(conn, secret, account, address):
+    """What keeps ``address`` from the account's mail: the suppression reason,
+    'unsubscribed' for an erased address, or None.  A new recipient with such
+    an address is stored with that status, mailable only after it confirms."""
+    row = conn.execute("SELECT reason FROM suppression WHERE account = ? AND email = ?",
+                       (account, address)).fetchone()
+    if row is not None:
+        return row["reason"]
+    if conn.execute("SELECT 1 FROM erasure WHERE account = ? AND hash = ?",
+                    (account, erasure_hash(secret, address))).fetchone():
+        return "unsubscribed"
+    return None
+
+
+def _typed_fields(call, given):
+    """A ``fields`` object ``{name: value}`` as ``{field id: stored value}``,
+    by the datasource's field names and types; 'email' is a column, not here."""
+    fields, data = _request_fields(call), {}
+    for name, value in given.items():
+        field = fields.get(str(name).lower())
+        if field is None or field[1].lower() == "email":
+            raise InvalidParameter(f"'fields' names '{str(name)[:100]}', which is not a field of "
+                                   f"datasource {call.parent['id']} (the address is 'email').",
+                                   field="fields", allowed=sorted(
+                                       f[1] for f in fields.values() if f[1].lower() != "email"))
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise InvalidParameter(f"fields['{field[1]}'] must be a string, a number or null.",
+                                   field="fields")
+        try:
+            data[str(field[0])] = convert_value(field[2], value)
+        except ValueError as error:
+            raise InvalidParameter(f"fields['{field[1]}']: {error}.", field="fields") from None
+    return data
+
+
+def _recipient_values(call, row):
+    """Create and change of one recipient: the address (unique in the
+    datasource), typed field values, and the status rules: a blocked
+    address is stored as blocked; nothing makes an unsubscribed, bounced or
+    complained recipient active or unconfirmed again but its own confirmation."""
+    values = {"updated": _now()}
+    address = call.get("email", row["email"] if row else "")
+    if not address:
+        raise InvalidParameter("'email' must be an email address.", field="email")
+    if address != (row["email"] if row else None):
+        taken = call.conn.execute("SELECT id FROM recipient WHERE datasource = ? AND email = ?",
+                                  (call.parent["id"], address)).fetchone()
+        if taken and (row is None or taken["id"] != row["id"]):
+            raise Conflict(f"Datasource {call.parent['id']} already has {address} "
+                           f"(recipient {taken['id']}).", field="email")
+        values["email"] = address
+    if "fields" in call.params:
+        data = {**(json.loads(row["data"]) if row else {}),
+                **_typed_fields(call, call.params["fields"])}
+        values["data"] = _to_json({key: value for key, value in data.items() if value is not None})
+    status = call.get("status", row["status"] if row else "active")
+    if row is not None and row["status"] in SUPPRESSIONS and status in ("active", "unconfirmed"):
+        raise Conflict(f"Recipient {row['id']} is {row['status']}: only the person can come back, "
+                       "by confirming a new sign-up.", field="status")
+    if status != "unsubscribed":  # that one goes through suppress(), after the change
+        blocked = None
+        if "email" in values and status in ("active", "unconfirmed"):
+            blocked = blocked_status(call.conn, call.service.secret, call.account, address)
+        values["status"] = blocked or status
+    return values
+
+
+def _erased_marker(call, datasource):
+    """For an import into ``datasource``: None when the account has erased no
+    address (the usual case: the import pays nothing), else a function that
+    stores the new recipients whose address was erased as 'unsubscribed'."""
+    if not call.conn.execute("SELECT 1 FROM erasure WHERE account = ? LIMIT 1",
+                             (call.account,)).fetchone():
+        return None
+    secret, account = call.service.secret, call.account
+
+    def mark(conn, addresses):
+        conn.executemany(
+            "UPDATE recipient SET status = 'unsubscribed' WHERE datasource = ? AND email = ? "
+            "AND EXISTS (SELECT 1 FROM erasure WHERE account = ? AND hash = ?)",
+            [(datasource, address, account, erasure_hash(secret, address))
+             for address in addresses])
+
+    return mark
+
+
+def _recipient_event(call, recipient_id):
+    row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
+    call.emit("recipient.subscribed", {"id": str(row["id"]), "datasource": str(row["datasource"]),
+                                       "email": row["email"], "status": row["status"]})
+
+
+def _recipient_changed(call, recipient_id):
+    if call.get("status") == "unsubscribed":
+        row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
+        suppress(call.conn, call.account, row["email"], "unsubscribed",
+                 pending=call.memo.setdefault("events", []))
+
+
+def _erase_recipient(call, row):
+    """Before the row goes: keep the address only as its hash (so an import or
+    a sign-up of it is never mailed without a new confirmation), and take the
+    clear address out of what the account keeps besides: its suppression row,
+    its statistics events and its emails in the outbox (the queued ones are
+    not sent).  The account's other lists keep their rows of the address, each
+    erased by its own delete, but they stop receiving mail now."""
+    account, address = call.account, row["email"]
+    digest = erasure_hash(call.service.secret, address)
+    now = _now()
+    call.conn.execute("INSERT INTO erasure (account, hash, created) VALUES (?, ?, ?) "
+                      "ON CONFLICT DO NOTHING", (account, digest, now))
+    call.conn.execute("DELETE FROM suppression WHERE account = ? AND email = ?", (account, address))
+    call.conn.execute("UPDATE event SET email = NULL WHERE account = ? AND email = ?",
+                      (account, address))
+    call.conn.execute(
+        "UPDATE outbox SET to_addr = ?, status = CASE WHEN status = 'queued' THEN 'skipped' "
+        "ELSE status END WHERE account = ? AND to_addr = ?",
+        (f"erased-{digest[:24]}@erased.invalid", account, address))
+    # Not suppress(): it would write the address down again, in clear.
+    call.conn.execute(
+        "UPDATE recipient SET status = 'unsubscribed', updated = ? WHERE email = ? AND id != ? "
+        "AND status IN ('active', 'unconfirmed') "
+        "AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
+        (now, address, row["id"], account))
+
+
+#: One recipient: created, changed and erased by the application (the
+#: public sign-up is in the banner "Public pages").
 RECIPIENT = Resource("recipient", "recipient", _recipient_record,
                      parent=DATASOURCE, parent_key="datasource",
-                     filters={"status:" + "|".join(RECIPIENT_STATUSES): "status = ?"})
+                     columns="email:email", required="email",
+                     extra={"create": "fields:object status:active|unconfirmed",
+                            "change": "fields:object status:active|unconfirmed|unsubscribed"},
+                     values=_recipient_values, after_create=_recipient_event,
+                     after_change=_recipient_changed, on_delete=_erase_recipient,
+                     filters={"status:" + "|".join(RECIPIENT_STATUSES): "status = ?",
+                              "email:str": "email = ?"})
 
 
 # Field changes --------------------------------------------------------------
@@ -2157,6 +2370,9 @@ class _Importer:
         self.pending = {}                 # folded address -> (address, keys, values)
         self.rows = self.inserted = self.updated = self.skipped = 0
         self.errors = []
+        # For an account with erased addresses: marks the new recipients that
+        # are erased ones (see _erased_marker); None keeps imports as fast.
+        self.erased = None
         # Existing recipients this import already updated: a repeated row
         # in a later chunk must not count again.
         conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
@@ -2251,6 +2467,8 @@ class _Importer:
             "VALUES (?1, ?2, ?3, ?4, ?4, ?5)", inserts)
         self.conn.executemany(
             "UPDATE recipient SET updated = ?, data = json_patch(data, ?) WHERE id = ?", updates)
+        if self.erased is not None and inserts:
+            self.erased(self.conn, [row[1] for row in inserts])
 
 
 _json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, like _to_json
@@ -2450,6 +2668,7 @@ def _import_create(call, child_id):
         "originalfile": call.params["originalfile"], "uploadtype": upload_type,
         "status": "running", "created": _now()})
     importer = _Importer(call.conn, datasource["id"], import_id)
+    importer.erased = _erased_marker(call, datasource["id"])
     try:
         if raw is None:
             _import_json(importer, data)
@@ -3883,7 +4102,8 @@ def _test_send(call, child_id, addresses):
 
 
 # ---------------------------------------------------------------------------
-# Public pages: unsubscribe (signed tokens, not stored; no key needed)
+# Public pages: unsubscribe, sign-up and confirm (signed tokens, not stored;
+# no key needed)
 # ---------------------------------------------------------------------------
 
 def _b64(data):
@@ -3982,7 +4202,12 @@ _UNSUBSCRIBE_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
 <title>{title}</title>
 <style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;color:#222}}
-button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}</style></head>
+button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}
+label{{display:block;font-weight:600;margin-bottom:.2em}}small{{font-weight:normal;color:#555}}
+input:not([type=checkbox]){{font:inherit;width:100%;box-sizing:border-box;padding:.45em;
+border:1px solid #767676;border-radius:4px}}.check label{{display:inline;font-weight:normal}}
+.error{{color:#b00020;font-weight:600}}
+.trap{{position:absolute;left:-10000px;width:1px;height:1px;overflow:hidden}}</style></head>
 <body><h1>{title}</h1>{body}</body></html>
 """
 
@@ -4160,6 +4385,431 @@ def _click(call, token):
     return bottle.HTTPResponse(status=302, headers={
         "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
         "Referrer-Policy": "no-referrer"})
+
+
+# Sign-ups and their confirmation ---------------------------------------------
+
+#: How long a confirmation link works, and an unconfirmed sign-up waits.
+CONFIRM_DAYS = 7
+#: At most one confirmation email per recipient within this time.
+CONFIRM_EVERY = datetime.timedelta(minutes=10)
+#: The form's hidden trap: people leave it empty, form-filling bots do not.
+HONEYPOT = "_website"
+#: A sign-up is a few short values: larger bodies are refused unread.
+SIGNUP_MAX_BODY = 64 * 1024
+#: HTML input types of the field types on the sign-up form.
+_INPUT_TYPES = {"text": 'type="text"', "integer": 'type="number" step="1"',
+                "number": 'type="number" step="any"', "boolean": 'type="checkbox" value="1"',
+                "date": 'type="date"', "datetime": 'type="datetime-local"',
+                "email": 'type="email"'}
+
+
+class _ClientLimit:
+    """At most ``rate`` sign-ups a minute from one client address, counted in
+    this process (a fixed one-minute window per address, bounded memory)."""
+
+    def __init__(self):
+        self.lock, self.windows = threading.Lock(), {}
+
+    def wait(self, client, rate):
+        """0 when the client may go on (and it is counted), else the seconds
+        until it may."""
+        now = time.monotonic()
+        with self.lock:
+            if len(self.windows) > 10000:  # a burst of addresses cannot grow it
+                self.windows = {key: value for key, value in self.windows.items()
+                                if now - value[0] < 60}
+                if len(self.windows) > 10000:
+                    self.windows.clear()
+            start, count = self.windows.get(client, (now, 0))
+            if now - start >= 60:
+                start, count = now, 0
+            if count >= rate:
+                return max(1, int(60 - (now - start)) + 1)
+            self.windows[client] = (start, count + 1)
+            return 0
+
+
+def _today():
+    return (datetime.datetime.now(datetime.timezone.utc).date() - datetime.date(1970, 1, 1)).days
+
+
+def confirm_url(secret, base, recipient_id):
+    """The link of a confirmation email: names the recipient by id (signed,
+    no address), valid for CONFIRM_DAYS."""
+    token = sign_token(secret, "confirm", recipient_id, _today() + CONFIRM_DAYS)
+    return f"{base.rstrip('/')}/v1/confirm/{token}"
+
+
+def _signup_list(call, ds):
+    """The live datasource ``ds`` (path text) that takes sign-ups, else None."""
+    datasource = _as_int(ds) if ds.isdigit() else None
+    if datasource is None:
+        return None
+    return call.conn.execute("SELECT * FROM datasource WHERE id = ? AND deleted = 0 "
+                             "AND signup = 1", (datasource,)).fetchone()
+
+
+def _list_page(title, body, status=200, cors=False):
+    response = _page_response(title, body, status)
+    if cors:
+        response.set_header("Access-Control-Allow-Origin", "*")
+    return response
+
+
+_GONE = ("<p>This sign-up form does not exist, or the list no longer takes sign-ups.</p>")
+
+
+def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
+    """The sign-up form of a datasource: the address and its fields, each
+    with a label; plain HTML that works without JavaScript.  After a refusal:
+    what was typed, the ``error`` above, and the ``wrong`` field marked."""
+    datasource = _signup_list(call, ds)
+    if datasource is None:
+        return _list_page("Sign-up form not found", _GONE, 404)
+    values = values or {}
+    rows = []
+    for field_id, name, kind in sorted(datasource_fields(call.conn, datasource["id"]).values()):
+        is_email = name.lower() == "email"
+        key = "email" if is_email else name
+        label = "Email address" if is_email else name
+        given = values.get(key)
+        value = "" if given is None or kind == "boolean" else f' value="{html.escape(str(given))}"'
+        checked = " checked" if kind == "boolean" and given not in (None, "", "0") else ""
+        extra = ' required autocomplete="email"' if is_email else ""
+        if error and wrong == key:
+            extra += ' aria-invalid="true" aria-describedby="form-error"'
+        control = (f'<input id="f{field_id}" name="{html.escape(key)}" '
+                   f'{_INPUT_TYPES[kind]}{value}{checked}{extra}>')
+        if kind == "boolean":
+            rows.append(f'<p class="check">{control} <label for="f{field_id}">'
+                        f'{html.escape(label)}</label></p>')
+        else:
+            rows.append(f'<p><label for="f{field_id}">{html.escape(label)}'
+                        f'{"" if is_email else " <small>(optional)</small>"}</label>{control}</p>')
+        if is_email:  # the address first, whatever the field order
+            rows.insert(0, rows.pop())
+    alert = (f'<p class="error" id="form-error" role="alert">{html.escape(error)}</p>'
+             if error else "")
+    description = (f"<p>{html.escape(datasource['description'])}</p>"
+                   if datasource["description"].strip() else "")
+    body = (f"{description}{alert}<form method=\"post\" accept-charset=\"utf-8\">{''.join(rows)}"
+            f'<p class="trap" aria-hidden="true"><label for="hp">Leave this empty</label>'
+            f'<input id="hp" name="{HONEYPOT}" type="text" tabindex="-1" autocomplete="off"></p>'
+            '<p><button type="submit">Subscribe</button></p></form>')
+    return _list_page(f"Subscribe to {datasource['name']}", body, status)
+
+
+def _signup_as_page(environ):
+    """Whether a sign-up is answered with a page: a form post, or a browser
+    that sent no JSON; JSON clients get the envelope."""
+    content_type = _content_type(environ)
+    return content_type == "application/x-www-form-urlencoded" or (
+        content_type != "application/json" and _prefers_html(_request_header("Accept")))
+
+
+def _signup_body(environ):
+    """The values of a sign-up, ``{name: value}``: from a form post or a
+    JSON object."""
+    content_type = _content_type(environ)
+    body = _read_body(environ, SIGNUP_MAX_BODY)
+    if not body.strip():
+        return {}
+    if content_type == "application/x-www-form-urlencoded":
+        try:
+            pairs = urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True,
+                                           encoding="utf-8", errors="strict")
+        except UnicodeDecodeError:
+            raise InvalidParameter("The form is not valid UTF-8.") from None
+        given = {}
+        for name, value in pairs:
+            if name in given:
+                raise InvalidParameter(f"'{name[:100]}' is given twice.", field=name)
+            given[name] = value
+        return given
+    if content_type != "application/json":
+        raise UnsupportedMediaType("Send a sign-up as a form (application/x-www-form-urlencoded) "
+                                   "or as JSON.")
+    try:
+        given = json.loads(body.decode("utf-8-sig"))
+        _to_json(given).encode("utf-8")  # refuses lone surrogates
+    except (ValueError, RecursionError, UnicodeEncodeError):
+        raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
+    if not isinstance(given, dict):
+        raise InvalidJson("The request body must be a JSON object of sign-up values.")
+    return given
+
+
+def _signup_values(call, datasource, given):
+    """The address and ``{field id: value}`` of a sign-up, checked: unknown
+    names are refused (a typo must not lose what a person typed)."""
+    fields = datasource_fields(call.conn, datasource["id"])
+    unknown = sorted(name for name in given if name != HONEYPOT and (
+        name.lower() not in fields or name.lower() == "email" and name != "email"))
+    if unknown:
+        raise UnknownParameter(f"Unknown field{'s' if len(unknown) > 1 else ''}: "
+                               f"{', '.join(name[:100] for name in unknown)}.", field=unknown,
+                               allowed=sorted(f[1] if f[1].lower() != "email" else "email"
+                                              for f in fields.values()))
+    for name, value in given.items():
+        if value is not None and (not isinstance(value, (str, int, float, bool))
+                                  or "\x00" in str(value)):
+            raise InvalidParameter(f"'{name[:100]}' must be a string or a number.", field=name)
+    if "email" not in given or given["email"] in (None, ""):
+        raise MissingParameter("Give an email address.", field="email")
+    address = _normalize_email(given["email"])
+    if address is None:
+        raise InvalidParameter("This is not a valid email address.", field="email")
+    data = {}
+    for name, value in given.items():
+        if name in ("email", HONEYPOT):
+            continue
+        field_id, label, kind = fields[name.lower()]
+        try:
+            converted = convert_value(kind, value)
+        except ValueError as error:
+            raise InvalidParameter(f"{label}: {error}.", field=name) from None
+        if converted is not None:
+            data[str(field_id)] = converted
+    return address, data
+
+
+def _signup_post(call, ds):
+    """A public sign-up.  The answer is the same for a new, an active, an
+    unconfirmed or a suppressed address, and for a filled honeypot."""
+    bottle.response.set_header("Access-Control-Allow-Origin", "*")
+    datasource = _signup_list(call, ds)
+    given, as_page = {}, _signup_as_page(bottle.request.environ)
+    try:
+        given = _signup_body(bottle.request.environ)
+        if datasource is None:
+            raise NotFound(f"There is no sign-up form at datasource {ds[:30]}.")
+        rate = call.service.config["signup_rate"]
+        if rate:
+            wait = call.service.signup_limit.wait(bottle.request.environ.get("REMOTE_ADDR", ""),
+                                                  rate)
+            if wait:
+                raise TooManyRequests("Too many sign-ups from your network; try again in a "
+                                      "minute.", wait)
+        address, data = _signup_values(call, datasource, given)
+        if not str(given.get(HONEYPOT) or "").strip():
+            call.parent = datasource
+            _sign_up(call, datasource, address, data)
+    except ApiError as error:
+        if not as_page:
+            raise
+        if datasource is None:
+            return _list_page("Sign-up form not found", _GONE, error.status, cors=True)
+        if isinstance(error, TooManyRequests):
+            page = _list_page("Please wait a minute", f"<p>{html.escape(error.message)}</p>",
+                              429, cors=True)
+            page.set_header("Retry-After", str(error.headers["Retry-After"]))
+            return page
+        # The form again, with what was typed and what to fix.
+        page = _signup_form(call, ds, {k: v for k, v in given.items() if isinstance(k, str)},
+                            error.message, error.status, error.extra.get("field"))
+        page.set_header("Access-Control-Allow-Origin", "*")
+        return page
+    status = "pending" if datasource["doubleoptin"] else "subscribed"
+    if not as_page:
+        return {"status": status}
+    if status == "pending":
+        return _list_page("Almost done: check your email", (
+            f"<p>To finish subscribing to <strong>{html.escape(datasource['name'])}</strong>, "
+            "open the link in the email we just sent you.</p>"
+            "<p>No email after a few minutes? Look in your spam folder, or check the address "
+            "and sign up again. Nothing is sent to you until you confirm.</p>"), cors=True)
+    return _list_page("You are subscribed", (
+        f"<p>Thank you: you are on the list <strong>{html.escape(datasource['name'])}</strong>."
+        "</p><p>Every email we send has a link to unsubscribe.</p>"), cors=True)
+
+
+def _subscribe_options(call, ds):
+    """The CORS preflight of a cross-origin JSON sign-up."""
+    return bottle.HTTPResponse("", status=200, headers={
+        "Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "POST, OPTIONS",
+        "Access-Control-Allow-Headers": "Content-Type", "Access-Control-Max-Age": "86400"})
+
+
+def _sign_up(call, datasource, address, data):
+    """Store one sign-up (in the request's transaction) and queue its email.
+
+    A new address is stored unconfirmed with double opt-in, else active; one
+    the account suppressed or erased is stored as blocked.  A known address
+    keeps its status and values: with double opt-in a recipient that is not
+    active gets a confirmation email (at most one per CONFIRM_EVERY), which
+    is the only way back for a blocked one; without, an unconfirmed one
+    becomes active and a blocked one stays as it is.
+    """
+    conn, now, account = call.conn, _now(), datasource["owner"]
+    status = blocked_status(conn, call.service.secret, account, address) or (
+        "unconfirmed" if datasource["doubleoptin"] else "active")
+    # DO NOTHING: the same address signed up twice at once is stored once,
+    # and the second finds it like any known address (never a 409).
+    stored = conn.execute(
+        "INSERT INTO recipient (datasource, email, data, status, created, updated) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (datasource["id"], address, _to_json(data), status, now, now)).rowcount
+    row = conn.execute("SELECT * FROM recipient WHERE datasource = ? AND email = ?",
+                       (datasource["id"], address)).fetchone()
+    if stored:
+        call.emit("recipient.subscribed", {"id": str(row["id"]),
+                                           "datasource": str(datasource["id"]),
+                                           "email": address, "status": status}, account)
+        if status == "active":
+            _queue_welcome(call, datasource, row)
+    elif row["status"] == "unconfirmed" and not datasource["doubleoptin"]:
+        conn.execute("UPDATE recipient SET status = 'active', confirm_sent = NULL, updated = ? "
+                     "WHERE id = ?", (now, row["id"]))
+        _queue_welcome(call, datasource, row)
+        return
+    if row["status"] == "active" or not datasource["doubleoptin"]:
+        return
+    last = row["confirm_sent"]
+    if last and last > (datetime.datetime.now(datetime.timezone.utc) - CONFIRM_EVERY).strftime(
+            "%Y-%m-%d %H:%M:%S"):
+        return
+    conn.execute("UPDATE recipient SET confirm_sent = ?, updated = ? WHERE id = ?",
+                 (now, now, row["id"]))
+    link = confirm_url(call.service.secret, call.base_url, row["id"])
+    message = _list_message(conn, datasource, "confirmmessage")
+    if message is not None and all("confirm_url" in merge_tags(message[body])
+                                   for body in ("html", "text") if message[body].strip()):
+        _queue_list_email(call, datasource, row, message, confirm=link)
+        return
+    name = datasource["name"]
+    _queue_list_email(call, datasource, row, {
+        "subject": f"Confirm your subscription to {name}",
+        "text": (f"Hello,\n\nsomeone, hopefully you, asked to receive the emails of \"{name}\" "
+                 "at this address.\n\nTo confirm, open this link and press the button:\n"
+                 "{{confirm_url}}\n\nThe link works for 7 days. If you did not ask for this, "
+                 "ignore this email: nothing more will be sent to you.\n"),
+        "html": (f"<p>Hello,</p><p>someone, hopefully you, asked to receive the emails of "
+                 f"<strong>{html.escape(name)}</strong> at this address.</p>"
+                 '<p><a href="{{confirm_url}}">Confirm your subscription</a></p>'
+                 "<p>The link works for 7 days. If you did not ask for this, ignore this "
+                 "email: nothing more will be sent to you.</p>"),
+        "fromname": "", "fromaddress": "", "replyto": ""}, confirm=link)
+
+
+def _list_message(conn, datasource, setting):
+    """The live message a datasource names in ``setting``, or None."""
+    if datasource[setting] is None:
+        return None
+    return conn.execute("SELECT * FROM message WHERE id = ? AND owner = ? AND deleted = 0",
+                        (datasource[setting], datasource["owner"])).fetchone()
+
+
+def _queue_welcome(call, datasource, recipient):
+    message = _list_message(call.conn, datasource, "welcomemessage")
+    if message is not None:
+        _queue_list_email(call, datasource, recipient, message)
+
+
+def _queue_list_email(call, datasource, recipient, message, confirm=""):
+    """Queue a sign-up's email (``message``: a message row or the same keys),
+    rendered now for ``recipient`` and sent as the datasource's profile (the
+    message's own sender wins where set, as for campaigns)."""
+    conn, account = call.conn, datasource["owner"]
+    profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
+                           "WHERE id = ?", (datasource["fromprofile"],)).fetchone()
+    sender = {name: message[name] or (profile[name] if profile else "") or None
+              for name in ("fromname", "fromaddress", "replyto")}
+    values = {name.lower(): value for name, value in recipient_values(
+        datasource_fields(conn, datasource["id"]), recipient).items()}
+    values["confirm_url"] = confirm
+    values["unsubscribe_url"] = unsubscribe_url(call.service.secret, call.base_url, account,
+                                                recipient["email"])
+    conn.execute(
+        "INSERT INTO outbox (account, kind, recipient, to_addr, subject, body, html, fromname, "
+        "fromaddress, replyto, created, next_try) VALUES (?, 'signup', ?, ?, ?, ?, ?, ?, ?, ?, "
+        "?, ?)", (account, recipient["id"], recipient["email"],
+                  _Template(message["subject"]).fill(values) or "(no subject)",
+                  _Template(message["text"]).fill(values) if message["text"] else "",
+                  _Template(message["html"]).fill(values, as_html=True) or None,
+                  sender["fromname"], sender["fromaddress"], sender["replyto"], _now(), _now()))
+
+
+def _confirm_subject(call, token):
+    """``(recipient row with its list, None)`` for a token that can confirm,
+    else ``(None, page)``: the page saying why not."""
+    numbers = read_token(call.service.secret, "confirm", token)
+    if numbers is None or len(numbers) != 2:
+        return None, _list_page("This link is not valid", (
+            "<p>This confirmation link is not valid. Copy the whole link from the email, "
+            "or sign up again to get a new one.</p>"), 404)
+    recipient_id, expires = numbers
+    row = call.conn.execute(
+        "SELECT r.*, d.name AS list_name, d.owner, d.welcomemessage, d.fromprofile "
+        "FROM recipient r JOIN datasource d ON d.id = r.datasource "
+        "WHERE r.id = ? AND d.deleted = 0", (recipient_id,)).fetchone()
+    if expires < _today() or row is None:
+        return None, _list_page("This link has expired", (
+            f"<p>Confirmation links work for {CONFIRM_DAYS} days, and this one is older or no "
+            "longer needed. Sign up again to get a new one.</p>"), 404)
+    if row["status"] == "active":
+        return None, _list_page("You are subscribed", (
+            f"<p>Your subscription to <strong>{html.escape(row['list_name'])}</strong> is "
+            "confirmed. There is nothing more to do.</p>"))
+    if row["confirm_sent"] is None:
+        return None, _list_page("This link is no longer valid", (
+            "<p>This confirmation link has been used already. To subscribe again, use the "
+            "sign-up form once more.</p>"), 404)
+    return row, None
+
+
+def _confirm_page(call, token):
+    # GET never confirms: mail scanners and link previews open links.
+    row, page = _confirm_subject(call, token)
+    if page is not None:
+        return page
+    return _list_page("Confirm your subscription", (
+        f"<p>Please confirm that you want to receive the emails of "
+        f"<strong>{html.escape(row['list_name'])}</strong>.</p>"
+        '<form method="post"><button type="submit">Yes, subscribe me</button></form>'))
+
+
+def _confirm_post(call, token):
+    """Confirm: the recipient becomes active, the account's suppression and
+    erasure of the address are lifted (the person asked anew), the welcome
+    message goes once.  A second confirm finds it active and changes nothing."""
+    row, page = _confirm_subject(call, token)
+    if page is not None:
+        return page
+    conn, account = call.conn, row["owner"]
+    conn.execute("UPDATE recipient SET status = 'active', confirm_sent = NULL, updated = ? "
+                 "WHERE id = ?", (_now(), row["id"]))
+    conn.execute("DELETE FROM suppression WHERE account = ? AND email = ?",
+                 (account, row["email"]))
+    conn.execute("DELETE FROM erasure WHERE account = ? AND hash = ?",
+                 (account, erasure_hash(call.service.secret, row["email"])))
+    call.emit("recipient.confirmed", {"id": str(row["id"]), "datasource": str(row["datasource"]),
+                                      "email": row["email"]}, account)
+    datasource = conn.execute("SELECT * FROM datasource WHERE id = ?",
+                              (row["datasource"],)).fetchone()
+    _queue_welcome(call, datasource, row)
+    return _list_page("Subscription confirmed", (
+        f"<p>Thank you: you are on the list <strong>{html.escape(row['list_name'])}</strong>."
+        "</p><p>Every email we send has a link to unsubscribe.</p>"))
+
+
+def remove_unconfirmed(db, limit=1000):
+    """Delete sign-ups left unconfirmed for CONFIRM_DAYS (since their last
+    sign-up), at most ``limit`` per call: the worker runs it with its batches.
+
+    :returns: how many were removed.
+    """
+    cutoff = (datetime.datetime.now(datetime.timezone.utc)
+              - datetime.timedelta(days=CONFIRM_DAYS)).strftime("%Y-%m-%d %H:%M:%S")
+    conn = connect(db)
+    try:
+        with transaction(conn):
+            return conn.execute(
+                "DELETE FROM recipient WHERE id IN (SELECT id FROM recipient "
+                "WHERE status = 'unconfirmed' AND updated < ? ORDER BY updated LIMIT ?)",
+                (cutoff, limit)).rowcount
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------------------
@@ -5350,10 +6000,6 @@ _BOUNCE_JSON = Route("POST", "/bounce", "write", None, "email:email! type:hard|s
 _RAW_TYPES = ("message/rfc822", "message/global")
 
 
-def _content_type():
-    return bottle.request.environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
-
-
 def _bounce_body(call):
     """The raw body of a bounce route, refused (413) over the bounce limit unread."""
     return _read_body(bottle.request.environ, min(call.service.config["max_body"], BOUNCE_MAX_BODY))
@@ -5361,7 +6007,7 @@ def _bounce_body(call):
 
 def _bounce_post(call):
     environ, secret = bottle.request.environ, call.service.secret
-    if _content_type() in _RAW_TYPES:
+    if _content_type(bottle.request.environ) in _RAW_TYPES:
         if call.params:
             raise InvalidParameter("A raw message comes alone, without parameters.",
                                    field=sorted(call.params))
@@ -5819,7 +6465,9 @@ class _Courier:
 
     def build(self, row, recipients):
         """``(sender, email bytes)``, or None when the row must not be sent."""
-        if row["kind"] != "campaign":  # ready-made: its sender, if any, is on the row
+        if row["kind"] != "campaign":
+            # Ready-made: its sender, if any, is on the row (a sign-up's emails
+            # go as the datasource's sender profile, a test send's as the campaign's).
             letter = Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
                             row["body"] or "", row["html"] or "", from_name=row["fromname"] or "",
                             reply_to=row["replyto"] or "", templated=False)
@@ -6168,7 +6816,9 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
         MAILBOX_INTERVAL seconds.
     """
     def make_batches():
-        return process_due(db, on_event=on_event, templates_dir=templates_dir) > 0
+        # Unconfirmed sign-ups expire here too: a bounded delete per round.
+        return process_due(db, on_event=on_event, templates_dir=templates_dir) \
+            + remove_unconfirmed(db) > 0
 
     def deliver_events():
         counts = deliver_webhooks(db, allow_private=webhook_allow_private, stop=stop_event)
@@ -7253,8 +7903,10 @@ _STATISTICS_SCHEMAS = {
 #: The records of the contract (API.md sections 4-7) as JSON schemas, by kind.
 RECORD_SCHEMAS = {
     "datasource": _record_schema(
-        "id owner name description origin fields recipients created deleted",
+        "id owner name description origin fields recipients created deleted signup doubleoptin "
+        "confirmmessage welcomemessage fromprofile",
         origin={"enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
+        signup=_FLAG_ANSWER, doubleoptin=_FLAG_ANSWER,
         fields={"type": "array", "items": _record_schema(
             "id name type", type={"enum": list(FIELD_TYPES)})}),
     "recipient": _record_schema(
@@ -7349,6 +8001,10 @@ _BODY_TYPES = {
     "email": {"anyOf": [{"const": ""}, {"type": "string", "format": "email"}],
               "description": "an email address, or '' for none"},
     "list": {"type": "array"},
+    "object": {"type": "object"},
+    "ref": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                      {"type": "string", "pattern": "^[0-9]{0,19}$"}, {"type": "null"}],
+            "description": "an id, or '', null or 0 for none"},
     "scalar": {"type": ["string", "number"]},
     "data": {"type": ["string", "array", "object"], "description": "the upload: CSV text, base64, or "
              "(for json uploads) an array of objects"},
@@ -7409,6 +8065,8 @@ def _route_statuses(route):
         statuses.add(404)
     if route.writes:
         statuses |= {409, 422}
+    if route.handler is _signup_post:
+        statuses.add(429)           # the sign-ups of one client a minute
     return sorted(statuses | set(route.errors))
 
 
@@ -7454,7 +8112,7 @@ def _operation(route):
         "security": [{"bearer": []}] if route.level else [],
         "parameters": [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
         + [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p, True)}
-           for p in route.params.values() if p.type != "list"],
+           for p in route.params.values() if p.type not in ("list", "object")],
     }
     if route.body:
         operation["requestBody"] = route.body
@@ -7468,6 +8126,12 @@ def _operation(route):
             "required": bool(required),
             "description": "Parameters may come in the query string instead.",
             "content": {"application/json": {"schema": body}}}
+    if route.body and not route.params:
+        operation["description"] = (f"Needs {levels}. The values come in the body only, as "
+                                    "the request body describes; unknown ones are refused.")
+    elif not route.reads_body and not route.params:
+        operation["description"] = (f"Needs {levels}. Opened from a link: it takes no "
+                                    "parameters and ignores the query string.")
     answered = "200"
     if isinstance(route.answers, dict) and ("content" in route.answers
                                             or "status" in route.answers):
@@ -7552,6 +8216,24 @@ def _openapi_get(call):
 
 _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no envelope).",
                    "content": {"application/json": {"schema": {"type": "object"}}}}
+#: A page a person reads (sign-up form, confirm page); errors are pages too.
+_PAGE_ANSWER = {"description": "An HTML page.",
+                "content": {"text/html": {"schema": {"type": "string"}}}}
+#: A sign-up's answer: the same for every address (it reveals no one).
+_SIGNUP_ANSWER = {"type": "object", "required": ["status"],
+                  "properties": {"status": {"enum": ["pending", "subscribed"]}}}
+_SIGNUP_BODY = {"type": "object", "required": ["email"],
+                "properties": {"email": {"type": "string", "format": "email"},
+                               HONEYPOT: {"type": "string", "maxLength": 0,
+                                          "description": "the honeypot: leave it empty"}},
+                "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+                "description": "'email' and the datasource's fields by name; other names "
+                               "are refused."}
+#: Bodies of the routes that read their own (the pipeline's are made from
+#: the route's parameters).
+_SIGNUP_REQUEST = {"required": True, "content": {
+    "application/x-www-form-urlencoded": {"schema": _SIGNUP_BODY},
+    "application/json": {"schema": _SIGNUP_BODY}}}
 
 
 # ---------------------------------------------------------------------------
@@ -7598,6 +8280,10 @@ ROUTES = [
     Route("POST",   "/datasource/{id}", "write",  DATASOURCE.change, summary="Change datasource"),
     Route("DELETE", "/datasource/{id}", "delete", DATASOURCE.delete, summary="Delete datasource"),
     Route("GET",    "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", RECIPIENT.get),
+    Route("PUT",    "/datasource/{parent_id}/recipient/{child_id}", "create", RECIPIENT.create),
+    Route("POST",   "/datasource/{parent_id}/recipient/{child_id}", "write", RECIPIENT.change),
+    Route("DELETE", "/datasource/{parent_id}/recipient/{child_id}", "delete", RECIPIENT.delete,
+          summary="Delete (erase) recipient"),
     Route("GET",    "/datasource/{parent_id}/modify/{child_id:name}", "write", _field_modify,
           "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True),
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
@@ -7687,6 +8373,19 @@ ROUTES = [
                     "A Postmark webhook call (basic auth)."),
     _provider_route("sendgrid", _bounce_sendgrid, "SendGrid bounces and spam reports",
                     "SendGrid's signed event webhook call."),
+    Route("GET",    "/subscribe/{id:name}", None, _signup_form, reads_body=False,
+          summary="The sign-up form of a datasource (an HTML page)", answers=_PAGE_ANSWER),
+    Route("POST",   "/subscribe/{id:name}", None, _signup_post, reads_body=False,
+          summary="Sign up to a datasource (a form post or JSON)", answers=_SIGNUP_ANSWER,
+          body=_SIGNUP_REQUEST),
+    Route("OPTIONS", "/subscribe/{id:name}", None, _subscribe_options, reads_body=False,
+          writes=False, summary="CORS preflight of a cross-origin sign-up",
+          answers={"description": "An empty answer with the CORS headers.", "content": {}}),
+    Route("GET",    "/confirm/{token:name}", None, _confirm_page, reads_body=False,
+          summary="The page of a confirmation link, with its confirm button",
+          answers=_PAGE_ANSWER),
+    Route("POST",   "/confirm/{token:name}", None, _confirm_post, reads_body=False,
+          summary="Confirm a sign-up (the page's button)", answers=_PAGE_ANSWER),
 ]
 
 
@@ -8009,7 +8708,8 @@ def _cmd_serve(args):
             secret = _new_account_key(args.db, args.email)
             app = create_app(args.db, public_url=public_url, max_body=args.max_body,
                              webhook_allow_private=args.webhook_allow_private,
-                             templates_dir=args.templates_dir or "", **_bounce_settings(args))
+                             templates_dir=args.templates_dir or "", signup_rate=args.signup_rate,
+                             **_bounce_settings(args))
     finally:
         for sock in sockets:
             sock.close()
@@ -8258,6 +8958,10 @@ def main(argv=None):
                        default=DEFAULT_CONFIG["max_body"],
                        help="largest request body; waitress answers a larger one with a "
                             "plain-text 413 before reading it (default: %(default)s, 64 MiB)")
+    serve.add_argument("--signup-rate", type=_whole_number(0, 10**6), metavar="N",
+                       default=DEFAULT_CONFIG["signup_rate"],
+                       help="public sign-ups taken from one client address a minute; 0: no "
+                            "limit (default: %(default)s)")
     # A reserved domain (RFC 2606): notifications go nowhere until the holder
     # starts the first time with --email, which is what a real install does.
     serve.add_argument("--email", default="admin@example.com", type=_address, metavar="ADDR",

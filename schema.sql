@@ -119,6 +119,9 @@ CREATE TABLE IF NOT EXISTS recipient (
 -- them, and a second index on a random key cost an import over 10%.
 CREATE INDEX IF NOT EXISTS recipient_status ON recipient(datasource, status);
 CREATE INDEX IF NOT EXISTS recipient_import ON recipient(import);
+-- Sign-ups still unconfirmed, for the worker that removes them after 7 days
+-- (partial: imports write 'active' rows and never touch it).
+CREATE INDEX IF NOT EXISTS recipient_unconfirmed ON recipient(updated) WHERE status = 'unconfirmed';
 
 CREATE TABLE IF NOT EXISTS export (
     id         INTEGER PRIMARY KEY,

@@ -1,7 +1,7 @@
 """Benchmarks of campaignapi, each against a baseline measured in the same run.
 
     python bench/bench.py [--rows N] [--emails M] [--only NAME] [--seconds S]
-                          [--rounds R] [--sinks K]
+                          [--rounds R] [--sinks K] [--signups S]
 
 Prints one line per benchmark and, last, one JSON line with every figure.
 The machines are shared and noisy, so every figure that matters is a ratio to
@@ -42,6 +42,12 @@ in the same run:
            vs a bare Bottle route answering the same GIF / 302 on the same
            server.  Target: ratio >= 0.8.  Then the p99 of GET
            /v1/campaign/{id} alone and while 10,000 opens arrive at once.
+  signup   S public sign-ups (double opt-in: each stores a recipient and
+           queues its confirmation email) posted by 8 keep-alive clients to
+           the app under waitress (8 threads), while one more client keeps
+           asking GET /v1/campaign/{id} with a key; that GET's p50/p99 during
+           the burst vs the same GET alone just before.  Target: every
+           sign-up 200 (no 5xx) and the API answering throughout.
 
 Each benchmark runs in a child process of its own, so peak RSS is its own.
 """
@@ -443,8 +449,9 @@ sys.path.insert(0, sys.argv[4])
 logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "Task queue depth" per request
 import campaignapi
 mode, db, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if mode == "api":
-    app = campaignapi.create_app(db)
+if mode in ("api", "signup"):
+    # The sign-up burst comes from one client address: no per-client limit.
+    app = campaignapi.create_app(db, **({"signup_rate": 0} if mode == "signup" else {}))
 else:
     # The same JSON the API answers, from a bare route.
     body = open(db + ".json", "rb").read()
@@ -704,6 +711,90 @@ def bench_tracking(args, tmp):
 
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
            "api": bench_api, "archive": bench_archive, "tracking": bench_tracking}
+def _latencies(seconds_list):
+    ordered = sorted(seconds_list)
+    return {"p50_ms": round(ordered[len(ordered) // 2] * 1000, 2),
+            "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000, 2)}
+
+
+def bench_signup(args, tmp):
+    import http.client
+    db, app, api = new_service(tmp)
+    profile = api("PUT", "/accountprofile/0", name="list", fromaddress="list@example.com")["id"]
+    datasource = api("PUT", "/datasource/0", name="list", signup=1, fromprofile=int(profile),
+                     fields=[{"name": "first", "type": "text"}])["id"]
+    campaign = api("PUT", "/campaign/0", name="bench", accountprofile=int(profile))["id"]
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, "signup", db, str(port), ROOT])
+    try:
+        wait_port(port)
+
+        def reads(stop):
+            conn, seen, statuses = http.client.HTTPConnection("127.0.0.1", port), [], []
+            while not stop.is_set():
+                started = time.perf_counter()
+                conn.request("GET", f"/v1/campaign/{campaign}", headers=api.headers)
+                response = conn.getresponse()
+                response.read()
+                seen.append(time.perf_counter() - started)
+                statuses.append(response.status)
+            return seen, statuses
+
+        def timed_reads(seconds):
+            stop = threading.Event()
+            timer = threading.Timer(seconds, stop.set)
+            timer.start()
+            return reads(stop)
+
+        timed_reads(1)  # warm up
+        alone, _ = timed_reads(3)
+        results, statuses, lock = {}, [], threading.Lock()
+        stop = threading.Event()
+        reader = threading.Thread(target=lambda: results.update(during=reads(stop)))
+        numbers = iter(range(args.signups))
+
+        def sign_up():
+            conn, mine = http.client.HTTPConnection("127.0.0.1", port), []
+            while True:
+                with lock:
+                    number = next(numbers, None)
+                if number is None:
+                    break
+                conn.request("POST", f"/v1/subscribe/{datasource}", body=json.dumps(
+                    {"email": f"person{number}@example.com", "first": f"P{number}"}),
+                    headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                mine.append(response.status)
+            with lock:
+                statuses.extend(mine)
+
+        clients = [threading.Thread(target=sign_up) for _ in range(8)]
+        reader.start()
+        started = time.perf_counter()
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+        seconds = time.perf_counter() - started
+        stop.set()
+        reader.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    during, read_statuses = results["during"]
+    stored = campaignapi.connect(db).execute(
+        "SELECT count(*) FROM recipient WHERE status = 'unconfirmed'").fetchone()[0]
+    return {"signups": args.signups, "seconds": round(seconds, 2),
+            "signups_per_s": round(args.signups / seconds), "stored": stored,
+            "errors": sum(status != 200 for status in statuses),
+            "server_errors": sum(status >= 500 for status in statuses + read_statuses),
+            "reads": len(during), **_latencies(during),
+            **{f"alone_{k}": v for k, v in _latencies(alone).items()}}
+
+
+BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
+           "api": bench_api, "signup": bench_signup}
 STEPS = {**BENCHES, "import-api": bench_import_api}  # what a child process can run
 
 TARGETS = {
@@ -714,6 +805,8 @@ TARGETS = {
     "api": lambda f: f["ratio"] >= 0.5,
     "archive": lambda f: f["archive_seconds"] < 1 and f["batcharchive_seconds"] < 1,
     "tracking": lambda f: f["open_ratio"] >= 0.8 and f["click_ratio"] >= 0.8,
+    "signup": lambda f: f["errors"] == 0 and f["server_errors"] == 0 and f["reads"] > 0
+    and f["stored"] == f["signups"],
 }
 
 
@@ -742,6 +835,11 @@ def summary(name, f):
                 f"{f['click_baseline_rps']:,}/s, ratio {f['click_ratio']})  API p99 "
                 f"{f['api_p99_ms_alone']} ms alone, {f['api_p99_ms_during_opens']} ms while "
                 f"10,000 opens arrive (in {f['opens_seconds']} s)")
+    if name == "signup":
+        return (f"signup   {f['signups']:>9,} sign-ups  {f['signups_per_s']}/s  GET campaign "
+                f"during the burst p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms ({f['reads']} "
+                f"reads; alone p50 {f['alone_p50_ms']} ms  p99 {f['alone_p99_ms']} ms)  "
+                f"errors {f['errors']}")
     return (f"api      {f['rps']:>9,} req/s  baseline {f['baseline_rps']:,} req/s  ratio "
             f"{f['ratio']}  p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms ({f['client']})")
 
@@ -751,7 +849,7 @@ def _child(name, args, body=None):
     command = [sys.executable, os.path.abspath(__file__), "--child", name,
                "--rows", str(args.rows), "--emails", str(args.emails),
                "--seconds", str(args.seconds), "--sinks", str(args.sinks),
-               "--rounds", str(args.rounds)]
+               "--rounds", str(args.rounds), "--signups", str(args.signups)]
     command += ["--body", body] if body else []
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [l for l in done.stdout.splitlines() if l.startswith("FIGURES ")]
@@ -770,6 +868,8 @@ def main():
                         help="SMTP sink processes of the deliver benchmark")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the deliver and api benchmarks (the median is reported)")
+    parser.add_argument("--signups", type=int, default=1000,
+                        help="sign-ups of the signup benchmark")
     parser.add_argument("--only", choices=sorted(BENCHES), action="append")
     parser.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)
     parser.add_argument("--body", help=argparse.SUPPRESS)

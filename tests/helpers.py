@@ -395,3 +395,20 @@ def make_webhook(api, receiver, **params):
     made = api.put("/webhook/0", url=receiver.url(), **params)
     receiver.secret = made["secret"]
     return int(made["id"])
+# --- sign-ups ----------------------------------------------------------------------------------
+
+def make_signup_list(api, name="Newsletter", fields=({"name": "first", "type": "text"},),
+                     **settings):
+    """A datasource that takes sign-ups, with a sender profile; its id (int).
+
+    :param settings: more datasource settings (doubleoptin, confirmmessage, ...)
+    """
+    profile = api.put("/accountprofile/0", name="List", fromname="The List",
+                      fromaddress="list@shop.example", replyto="help@shop.example")["id"]
+    return int(api.put("/datasource/0", name=name, fields=list(fields), signup=1,
+                       fromprofile=int(profile), **settings)["id"])
+
+
+def confirm_path(text):
+    """The path of the confirmation link in an email body (``/v1/confirm/...``)."""
+    return re.search(r"https?://[^\s\"']*?(/v1/confirm/[A-Za-z0-9_-]+)", text).group(1)

@@ -9,9 +9,9 @@ import socket
 import pytest
 
 import campaignapi
-from helpers import (KEYED_ROUTES, assert_error, filled, keyed_client, make_datasource, recipients,
-                     route_id, send)
-from conftest import serving
+from helpers import (KEYED_ROUTES, assert_error, filled, keyed_client, make_datasource,
+                     make_signup_list, recipients, route_id, scalar, send)
+from conftest import Api, serving
 
 MAX_ID = campaignapi.MAX_ID
 
@@ -26,6 +26,8 @@ WRONG = {
     "flag": ["maybe", 2, -1, None, [1], "yes please"],
     "email": [5, "not an address", "a@b", "x@example.com\r\nBcc: y@example.com", ["a@x.com"]],
     "list": ["x", 5, {"a": 1}, None, True],
+    "object": ["x", 5, ["a"], None, True],
+    "ref": ["abc", -1, 1.5, True, [1], MAX_ID + 1, "1e3"],
     "scalar": [[1], {"a": 1}, None, "two\nlines"],
     "data": [5, None, True, 1.5],
     "choice": ["no-such-choice", 5, None, ["all"]],
@@ -242,3 +244,67 @@ def test_a_path_that_is_not_utf8_names_no_record(api, client, auth, path):
     api.put("/campaign/0", name="c", accountprofile=1)
     api.put("/datasource/0", name="d")
     assert_error(client.get(path, headers=auth, expect_errors=True), 404, "not_found")
+
+
+# --- public routes (no key): hostile input is a 4xx or a page, never a 5xx ------------------
+
+#: The routes anyone can call: the sign-up form and its post, confirm and
+#: unsubscribe links, downloads, the OpenAPI document.
+PUBLIC_ROUTES = [route for route in campaignapi.ROUTES if not route.level]
+
+FORM, JSON = "application/x-www-form-urlencoded", "application/json"
+#: Bodies as a form post or JSON, broken in every way we know.
+HOSTILE_BODIES = [(raw, JSON) for raw in INVALID_BODIES] + [
+    (b"", None), (b"[" * 100_000 + b"]" * 100_000, JSON),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, JSON),
+    (b'{"email": ["a@example.com"]}', JSON), (b'{"email": {"a": 1}}', JSON),
+    (b'{"email": "a@example.com", "_website": {"x": [1]}}', JSON),
+    (b"email=%FF%FE", FORM), (b"email=" + b"a" * 100_000 + b"%40example.com", FORM),
+    (b"%" * 1000, FORM), (b"email=a%40example.com&" * 500, FORM),
+    (b"email=a%40example.com%0D%0ABcc%3A+b%40example.com", FORM),
+    (b"email=a%40example.com&first=%00", FORM), (b"=&=&&&", FORM),
+    (b"email=x" * 20_000, FORM),
+    (b"--x\r\nContent-Disposition: form-data; name=email\r\n\r\na@example.com\r\n--x--",
+     "multipart/form-data; boundary=x"),
+    (b"email=a@example.com", "text/plain"), (b"\xff" * 100, "application/octet-stream"),
+]
+
+
+@pytest.fixture(scope="module")
+def public(tmp_path_factory):
+    """An app whose datasource 1 takes sign-ups (no per-client limit here)."""
+    db = str(tmp_path_factory.mktemp("public") / "campaignapi.db")
+    client, auth = keyed_client(db, signup_rate=0)
+    make_signup_list(Api(client, auth))
+    secret = client.app.config["campaignapi.service"].secret
+    tokens = {"confirm": campaignapi.sign_token(secret, "confirm", 5, 10**6),
+              "unsubscribe": campaignapi.unsubscribe_token(secret, 1, "x@example.com")}
+    return client, db, tokens
+
+
+def public_paths(route, tokens):
+    word = route.path.split("/")[1]
+    good = {"subscribe": "1", "confirm": tokens["confirm"],
+            "unsubscribe": tokens["unsubscribe"], "download": "x"}.get(word, "")
+    for value in (good, "0", str(MAX_ID + 1), "1" * 40, "-1", "abc", "%C2%B2", "%FF", "x" * 5000,
+                  "..%2F..%2Fetc", "1%00"):
+        yield "/v1" + re.sub(r"\{[^}]*\}", value, route.path)
+
+
+@pytest.mark.parametrize("route", PUBLIC_ROUTES, ids=route_id)
+def test_public_routes_never_answer_5xx_to_hostile_input(public, route):
+    client, db, tokens = public
+    for path in public_paths(route, tokens):
+        for raw, content_type in HOSTILE_BODIES:
+            response = client.request(path, method=route.method, body=raw,
+                                      content_type=content_type, expect_errors=True,
+                                      headers={"Accept": "text/html"})
+            assert response.status_int < 500, (path[:80], raw[:80], response.text[:300])
+    assert scalar(db, "SELECT count(*) FROM recipient") == 0
+
+
+def test_a_sign_up_body_over_64_kib_is_413(public):
+    client, db, tokens = public
+    body = b'{"email": "a@example.com", "first": "' + b"x" * 70_000 + b'"}'
+    assert_error(client.post("/v1/subscribe/1", body, content_type=JSON, expect_errors=True),
+                 413, "payload_too_large")

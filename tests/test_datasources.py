@@ -21,7 +21,8 @@ def test_create_and_get_a_datasource(api):
                                             {"name": "age", "type": "integer"}]) == {"id": "1"}
     record = api.get("/datasource/1")["datasource"]
     assert set(record) == {"id", "owner", "name", "description", "origin", "fields", "recipients",
-                           "created", "deleted"}
+                           "created", "deleted", "signup", "doubleoptin", "confirmmessage",
+                           "welcomemessage", "fromprofile"}
     assert record["id"] == "1" and record["name"] == "Newsletter"
     assert record["description"] == "Monthly\nletter" and record["origin"] == "signup"
     assert record["recipients"] == "0" and record["deleted"] == "0"

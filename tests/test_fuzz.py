@@ -53,6 +53,8 @@ def served(tmp_path_factory):
     db = str(tmp_path_factory.mktemp("fuzz") / "campaignapi.db")
     client, auth = keyed_client(db, **provider_settings())
     build_world(Api(client, auth))
+    # Datasource 1 takes sign-ups, so that the public sign-up routes do more than 404.
+    Api(client, auth).post("/datasource/1", signup=1, fromprofile=1)
     return client.app, auth, schemathesis.openapi.from_wsgi("/v1/openapi.json", client.app)
 
 
@@ -254,3 +256,21 @@ def test_campaign_messages_and_messages_answer_their_own_documented_records(serv
     case = schema[path]["GET"].Case(path_parameters=ids)
     response = case.call_and_validate(headers=auth, checks=CHECKS)
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_sign_ups_to_a_list_that_takes_them(served, mode):
+    """The sign-up post with generated form and JSON bodies, at datasource 1
+    (which takes sign-ups), not only at the random ids of the run above."""
+    app, auth, schema = served
+    operation = schema["/v1/subscribe/{id}"]["POST"]
+    strategy = operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+
+    @settings(BOUNDED, max_examples=FUZZ_EXAMPLES * 2)
+    @given(case=strategy)
+    def run(case):
+        case.path_parameters = {"id": "1"}
+        response = case.call_and_validate(checks=CHECKS)
+        assert response.status_code in (200, 400, 413, 415, 429), response.content[:300]
+
+    run()

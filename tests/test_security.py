@@ -81,6 +81,8 @@ VALID = {
     ("PUT", "/datasource/{parent_id}/import/{child_id}"): {
         "name": "i", "originalfile": "f.csv", "__uploadtype__": "csv",
         "__uploaddata__": "email\nintruder@example.org\n"},
+    ("PUT", "/datasource/{parent_id}/recipient/{child_id}"): {"email": "intruder@example.org"},
+    ("POST", "/datasource/{parent_id}/recipient/{child_id}"): {"status": "unsubscribed"},
     ("POST", "/datasource/{parent_id}/import/{child_id}"): {"id": 1, "name": "x"},
     ("DELETE", "/datasource/{parent_id}/import/{child_id}"): {"id": 1},
     ("PUT", "/datasource/{parent_id}/organize/{child_id}"): {"item": 1, "folder": "x",
@@ -323,3 +325,33 @@ def test_unsubscribe_tokens_are_signed_and_forgeries_refused(client, api, db):
     statuses = {r["email"]: r["status"] for r in api.get(
         f"/datasource/{ids['datasource']}/recipient/all")["recipient"]}
     assert statuses == {"ann@example.com": "unsubscribed", "bob@example.com": "active"}
+
+
+# --- public routes: CORS only where a cross-origin sign-up needs it -------------------------
+
+#: The routes a web page of another origin may call: the sign-up post and its
+#: preflight.  (The OpenAPI document is readable by any API tool: its answer
+#: has the header too, and is not this test's business.)
+CORS_ROUTES = {("POST", "/subscribe/{id:name}"), ("OPTIONS", "/subscribe/{id:name}")}
+
+
+@pytest.mark.parametrize("route", campaignapi.ROUTES, ids=route_id)
+def test_cors_headers_only_on_the_sign_up_routes(client, auth, api, route):
+    api.put("/accountprofile/0", name="p", fromaddress="list@shop.example")
+    api.put("/datasource/0", name="d", signup=1, fromprofile=1)
+    for body in (None, {"email": "a@example.com"}, {"email": "bad"}):
+        response = send(client, route.method, filled(route), {**auth,
+                                                              "Origin": "https://evil.example"},
+                        body)
+        if route.path != "/openapi.json":
+            assert ("Access-Control-Allow-Origin" in response.headers) == (
+                (route.method, route.path) in CORS_ROUTES), response.headers
+        assert "Access-Control-Allow-Credentials" not in response.headers
+        assert response.status_int < 500
+
+
+@pytest.mark.parametrize("route", [r for r in campaignapi.ROUTES if not r.level], ids=route_id)
+def test_public_routes_leak_nothing_and_need_no_key(client, route):
+    response = send(client, route.method, filled(route, "x%FFy"), None, b"\x00{")
+    assert response.status_int < 500
+    assert_no_leak(response.text)
