@@ -1017,6 +1017,14 @@ def _check_int(name, value):
     return number
 
 
+def _check_limit(name, value):
+    number = _as_int(value)
+    if number is None or not 1 <= number <= PAGE_MAX:
+        raise InvalidParameter(f"'{name}' must be a whole number from 1 to {PAGE_MAX}.",
+                               field=name)
+    return number
+
+
 def _check_flag(name, value):
     if value in ("1", 1, "true") or value is True:
         return 1
@@ -1063,6 +1071,7 @@ PARAM_TYPES = {
     "str": lambda name, value: _check_str(name, value, False),
     "text": lambda name, value: _check_str(name, value, True),
     "int": _check_int,
+    "limit": _check_limit,
     "flag": _check_flag,
     "email": _check_email,
     "list": _check_list,
@@ -1284,11 +1293,7 @@ def _read_params(route, environ, limit):
 
 def _page(call):
     """``(limit, offset)`` of a listing, checked."""
-    limit = call.get("limit", PAGE_DEFAULT)
-    offset = call.get("offset", 0)
-    if not 1 <= limit <= PAGE_MAX:
-        raise InvalidParameter(f"'limit' must be from 1 to {PAGE_MAX}.", field="limit")
-    return limit, offset
+    return call.get("limit", PAGE_DEFAULT), call.get("offset", 0)
 
 
 #: Compact JSON as every answer and stored JSON text is written: one encoder,
@@ -1721,7 +1726,7 @@ class Resource:
     def params(self, operation):
         """The route parameters of ``operation`` (get, create, change, delete)."""
         if operation == "get":
-            return " ".join(["limit:int offset:int", *self.filters])
+            return " ".join(["limit:limit offset:int", *self.filters])
         specs = []
         if operation == "create" and self.parent_param:
             specs.append(f"{self.parent_param}:int!")
@@ -2138,6 +2143,10 @@ class _Importer:
         self.pending = {}                 # folded address -> (address, keys, values)
         self.rows = self.inserted = self.updated = self.skipped = 0
         self.errors = []
+        # New fields: placeholder key -> name until a stored row has them,
+        # then placeholder -> field id; and the last keys translated (a CSV
+        # passes one tuple for every row, a JSON upload one per shape).
+        self.unmade, self.made, self.last_keys = {}, {}, (None, None)
         # Existing recipients this import already updated: a repeated row
         # in a later chunk must not count again.
         conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
@@ -2163,12 +2172,25 @@ class _Importer:
                 self.report(1, f"column '{label[:50]}' left out: a field name is one line "
                                "without braces, at most 200 characters")
                 return None
-            field_id = self.conn.execute(
-                "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
-                (self.datasource, label)).lastrowid
-            field = self.fields[label.lower()] = (field_id, label, "text")
+            # Made when the first row that has it is stored (add()): a column
+            # of skipped rows alone (a typo'd key) leaves no field behind.
+            field = self.fields[label.lower()] = (f"new:{label.lower()}", label, "text")
+            self.unmade[field[0]] = label
         self.names[str(field[0])] = field[1]
         return str(field[0]), field[2]
+
+    def _made(self, keys):
+        """``keys`` with the new fields among them made now, as field ids."""
+        for key in keys:
+            label = self.unmade.pop(key, None)
+            if label is not None:
+                field_id = self.conn.execute(
+                    "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
+                    (self.datasource, label)).lastrowid
+                self.fields[label.lower()] = (field_id, label, "text")
+                self.names[str(field_id)] = label
+                self.made[key] = str(field_id)
+        return tuple([self.made.get(key, key) for key in keys])
 
     def convert(self, number, keys, kinds, raws):
         """The raw values typed for their fields, or None (the row is skipped)."""
@@ -2192,6 +2214,10 @@ class _Importer:
             text = email.strip() if isinstance(email, str) else ""
             return self.skip(number, f"'{text[:100]}' is not a valid email address" if text
                              else "no email address")
+        if self.made or self.unmade:
+            if keys is not self.last_keys[0]:
+                self.last_keys = (keys, self._made(keys))
+            keys = self.last_keys[1]
         folded = _nocase(address)
         earlier = self.pending.get(folded)
         if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
@@ -2426,6 +2452,11 @@ def _import_create(call, child_id):
     raw = None if upload_type == "json" else _upload_bytes(upload_type, data)
     if raw is not None:
         data = None
+        if b"\x00" in raw[:4096] and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            kind = " (a ZIP file, such as an Excel .xlsx: save it as CSV)" \
+                if raw.startswith(b"PK\x03\x04") else ""
+            raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
+                              field="__uploaddata__")
     import_id = insert_record(call.conn, "import", child_id, {
         "datasource": datasource["id"], "name": call.params["name"],
         "originalfile": call.params["originalfile"], "uploadtype": upload_type,
