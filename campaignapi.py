@@ -994,6 +994,8 @@ def _as_int(value):
         return None
     if isinstance(value, int):
         return value if 0 <= value <= MAX_ID else None
+    if isinstance(value, float):    # 705.0 is the integer 705 in JSON (and JSON Schema)
+        return int(value) if value.is_integer() and 0 <= value <= MAX_ID else None
     if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
         number = int(value)
         return number if number <= MAX_ID else None
@@ -1066,6 +1068,15 @@ def _check_data(name, value):
     return value
 
 
+def _check_time(name, value):
+    # Unix seconds (a number or digits) or a date-time: parse_timestamp()
+    # reads it in the handler, which knows the time now.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise InvalidParameter(f"'{name}' must be Unix seconds or a date-time text.", field=name)
+    parse_timestamp(value)
+    return value
+
+
 #: Parameter types of the route table: name -> checker(name, value) -> value.
 PARAM_TYPES = {
     "str": lambda name, value: _check_str(name, value, False),
@@ -1077,6 +1088,7 @@ PARAM_TYPES = {
     "list": _check_list,
     "scalar": _check_scalar,
     "data": _check_data,
+    "time": _check_time,
 }
 
 
@@ -1116,6 +1128,9 @@ class Route:
     ``data``, or a whole OpenAPI response object (with ``content``) for a
     route that answers something other than the envelope.
 
+    ``changes=True``: the route changes data although it does not run as one
+    writing transaction (the document marks it; a GET that writes).
+
     ``reads_body=False``: the route takes no parameters from the body and
     ignores whatever body comes (an HTML form post, an RFC 8058 one-click
     unsubscribe), instead of answering 415 for a body that is not JSON.
@@ -1124,7 +1139,7 @@ class Route:
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
     def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
-                 answers=None, reads_body=True):
+                 answers=None, reads_body=True, changes=None, body_rules=None):
         self.method, self.path, self.level, self.handler = method, path, level, handler
         # An operation of a record kind (Resource.get, .create, ...) takes the
         # parameters its kind declares for it and answers that kind.
@@ -1139,8 +1154,13 @@ class Route:
         # For the OpenAPI document only: a one-line title, and what ``data``
         # holds on success (see openapi_document()).
         self.summary, self.answers = summary, answers
+        # JSON Schema keywords that tie body parameters together (if/then).
+        self.body_rules = body_rules or {}
         self.params = {p.name: p for p in map(Param, params.split())}
         self.writes = method != "GET" if writes is None else writes
+        # Whether the route changes data, for the document: a GET may, even
+        # outside one transaction (an export commits its record itself).
+        self.changes = self.writes if changes is None else changes
         self.reads_body = reads_body
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
@@ -1277,6 +1297,9 @@ def _read_params(route, environ, limit):
         del body
         if not isinstance(document, dict):
             raise InvalidJson("The request body must be a JSON object of parameters.")
+        # The body wins, but a bad value in the query string is still refused.
+        for name in set(given) & set(document) & set(route.params):
+            route.params[name].check(given[name])
         given.update(document)
     unknown = sorted(set(given) - set(route.params))
     if unknown:
@@ -1654,9 +1677,10 @@ def _columns(call, names):
 
 
 def _same_id(call, name, value):
-    """Refuse when the body's ``name`` does not repeat the id ``value``."""
+    """Refuse when the body's ``name`` does not repeat the id ``value``: a
+    conflict (409) between the request's two ids, not a malformed request."""
     if call.get(name) != value:
-        raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
+        raise Conflict(f"'{name}' must equal the id in the path ({value}).", field=name)
 
 
 class Resource:
@@ -1823,7 +1847,7 @@ class Resource:
             values["owner"] = call.account
         else:
             if self.parent_param and call.params[self.parent_param] != call.parent["id"]:
-                raise InvalidParameter(f"'{self.parent_param}' must be the {self.parent.label} "
+                raise Conflict(f"'{self.parent_param}' must be the {self.parent.label} "
                                        f"in the path ({call.parent['id']}).",
                                        field=self.parent_param)
             values[self.parent_key] = call.parent["id"]
@@ -2784,7 +2808,8 @@ def _checked_conditions(conn, datasources, given):
         kinds = {"email"} if name.lower() == "email" else {
             known[name.lower()][2] for known in fields if name.lower() in known}
         if not kinds:
-            raise InvalidParameter(f"{where}: no datasource of this segment has a field "
+            # 409, as for every refusal that depends on stored records.
+            raise Conflict(f"{where}: no datasource of this segment has a field "
                                    f"'{name}'.", field="conditions")
         if op in ("empty", "notempty"):
             checked.append({"field": name, "op": op, "value": None})
@@ -2803,7 +2828,7 @@ def _checked_conditions(conn, datasources, given):
                 try:
                     convert_value(kind, str(value))  # as it is stored and used
                 except ValueError as error:
-                    raise InvalidParameter(f"{where}.value does not fit the {kind} field "
+                    raise Conflict(f"{where}.value does not fit the {kind} field "
                                            f"'{name}': {error}.", field="conditions") from None
         checked.append({"field": name, "op": op, "value": str(value)})
     return checked
@@ -6069,35 +6094,48 @@ def read_sendgrid(body, signature_header, timestamp_header, public_key):
 # ---------------------------------------------------------------------------
 
 _STRING_OR_NULL = {"type": ["string", "null"]}
-_FLAG_ANSWER = {"enum": ["0", "1"]}
+_FLAG_ANSWER = {"type": "string", "enum": ["0", "1"]}
 _ID_LIST = {"type": "array", "items": {"type": "string"}}
+_DIGITS = {"type": "string", "pattern": "^[0-9]+$"}
 
 
 def _record_schema(names, /, **special):
-    """A record as the contract answers it: every field of ``names`` present,
+    """A record as the API answers it: every field of ``names`` present,
     each a string or null unless ``special`` gives its schema."""
     names = names.split()
     return {"type": "object", "required": names,
             "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
 
 
-#: The records of the contract (API.md sections 4-7) as JSON schemas, by kind.
+_FIELD_TYPE = {"type": "string", "enum": list(FIELD_TYPES)}
+_CONDITION = {"type": "object", "required": ["field", "op"], "properties": {
+    "field": {"type": "string", "description": "a field name of the segment's datasources"},
+    "op": {"type": "string", "enum": list(SEGMENT_OPS)},
+    "value": {"type": ["string", "null"],
+              "description": "what the field is compared with (null for empty and notempty)"}}}
+_BATCH_SCHEMA = _record_schema(
+    "id campaign timestamp status recipients queued sent failed created finished",
+    status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]})
+
+#: The records of the API as JSON schemas, by kind.
 RECORD_SCHEMAS = {
     "datasource": _record_schema(
         "id owner name description origin fields recipients created deleted",
-        origin={"enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
-        fields={"type": "array", "items": _record_schema(
-            "id name type", type={"enum": list(FIELD_TYPES)})}),
+        origin={"type": "string", "enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
+        fields={"type": "array", "items": {"$ref": "#/components/schemas/field"}}),
     "recipient": _record_schema(
         "id datasource email fields status created updated",
-        fields={"type": "object", "additionalProperties": _STRING_OR_NULL},
-        status={"enum": list(RECIPIENT_STATUSES)}),
-    "field": _record_schema("id name type", type={"enum": list(FIELD_TYPES)}),
+        fields={"type": "object", "additionalProperties": _STRING_OR_NULL,
+                "description": "field name -> value (as text)"},
+        status={"type": "string", "enum": list(RECIPIENT_STATUSES)}),
+    "field": _record_schema("id name type", id={"type": "string"}, name={"type": "string"},
+                            type=_FIELD_TYPE),
     "import": _record_schema(
         "id datasource name originalfile uploadtype status rows inserted updated skipped "
         "errors created finished",
-        errors={"type": "array", "items": {"type": "object", "properties": {
-            "row": _STRING_OR_NULL, "error": {"type": "string"}}}}),
+        errors={"type": "array", "items": {"type": "object", "required": ["row", "error"],
+                                           "properties": {"row": {"type": "string"},
+                                                          "error": {"type": "string"}}}}),
     "export": _record_schema("id datasource status rows url expires created finished"),
     "organize": _record_schema("id item folder sortorder"),
     "message": _record_schema(
@@ -6105,11 +6143,8 @@ RECORD_SCHEMAS = {
         deleted=_FLAG_ANSWER),
     "segment": _record_schema(
         "id owner name datasources match conditions size created deleted",
-        datasources=_ID_LIST, match={"enum": ["all", "any"]}, deleted=_FLAG_ANSWER,
-        conditions={"type": "array", "items": {"type": "object", "required": ["field", "op"],
-                                               "properties": {"field": {"type": "string"},
-                                                              "op": {"type": "string"},
-                                                              "value": {}}}}),
+        datasources=_ID_LIST, match={"type": "string", "enum": ["all", "any"]},
+        deleted=_FLAG_ANSWER, conditions={"type": "array", "items": _CONDITION}),
     "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
     "campaign": _record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
@@ -6121,24 +6156,26 @@ RECORD_SCHEMAS = {
         segments={"type": "array", "items": {"type": "object", "properties": {
             "segment": {"type": "string"}, "name": _STRING_OR_NULL,
             "priority": {"type": "string"}, "messages": _ID_LIST,
-            "size": {"type": "string"}, "overlap": {}}}}),
+            "size": {"type": "string"},
+            "overlap": {"type": "array", "items": {"type": "object", "properties": {
+                "segment": {"type": "string"}, "shared": {"type": "string"}}}}}}}),
     "verify": _record_schema(
         "id campaign passed checks verified", passed=_FLAG_ANSWER,
-        checks={"type": "array", "items": {"type": "object", "properties": {
-            "check": {"type": "string"}, "passed": {}, "message": {"type": "string"}}}}),
-    "batcharchive": _record_schema(
-        "id campaign timestamp status recipients queued sent failed messages",
-        status={"enum": ["scheduled", "sending", "sent", "cancelled"]},
-        messages={"type": "array", "items": {"type": "object"}}),
+        checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
+    "check": _record_schema("check passed message", check={"type": "string"},
+                            passed=_FLAG_ANSWER, message={"type": "string"}),
+    "batcharchive": {**_BATCH_SCHEMA, "properties": {
+        **_BATCH_SCHEMA["properties"],
+        "messages": {"type": "array", "items": _record_schema("message subject html text")}}},
     "archive": _record_schema("id campaign batches sent failed unsubscribed",
-                              batches={"type": "array", "items": {"type": "object"}}),
+                              batches={"type": "array", "items": _BATCH_SCHEMA}),
 }
 
 #: Success data of a create: the new record's id.
 ANSWER_ID = {"type": "object", "required": ["id"],
              "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
 #: Success data of a change or a delete.
-ANSWER_DONE = {"const": True}
+ANSWER_DONE = {"type": "boolean", "description": "true: done"}
 
 
 def records_answer(key, kind):
@@ -6151,63 +6188,161 @@ def records_answer(key, kind):
 
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
 
-_QUERY_TYPES = {
-    "int": {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-    "flag": {"enum": ["0", "1", "true", "false"]},
+#: What every parameter name means, for the OpenAPI document: one place, so a
+#: route added to the table is described by the names it uses.  name ->
+#: (description, example[, what the schema of its type needs besides, e.g. a
+#: list's items]).  A name used with two
+#: meanings reads "kind.name" first (the kind of the route's first path word).
+PARAM_DOCS = {
+    "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
+    "offset": ("How many records to skip before the page (default 0).", 0),
+    "id": ("The record's id again, as in the path: a guard against deleting or "
+           "changing the wrong record.", 1),
+    "name": ("A name for people, shown in lists; one line.", "Spring newsletter"),
+    "description": ("Free text about the record.", "Readers who signed up at the shop"),
+    "origin": ("Where the datasource's recipients come from.", "import"),
+    "fields": ("Fields to add, each {name, type}; the email field always exists.",
+               [{"name": "city", "type": "text"}],
+               {"items": {"type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s]"
+                                        "[^{}\\r\\n\\x00]*$", "maxLength": 200},
+                               "type": {**_FIELD_TYPE, "default": "text"}}}}),
+    "status": ("Only recipients with this status.", "active"),
+    "new": ("The field's name after the change (may be its current name).", "town"),
+    "type": ("The field's type after the change; stored values are converted, and "
+             "the change is refused (422) when one does not convert.", "text"),
+    "originalfile": ("The uploaded file's name, for people.", "people.csv"),
+    "__uploadtype__": ("How __uploaddata__ is sent: csv (the CSV text), base64 (the CSV "
+                       "file's bytes in base64) or json (an array of objects).", "csv"),
+    "__uploaddata__": ("The upload: CSV text with a header row naming an email column "
+                       "(email, e-mail or emailaddress); its base64; or an array of objects.",
+                       "email,city\nann@example.com,Oslo\n"),
+    "item": ("The id of the record to place in a folder.", 1),
+    "folder": ("The folder's name.", "Customers"),
+    "sortorder": ("The position within the folder.", 1),
+    "subject": ("The email's subject line; may hold merge tags such as {{city}}.",
+                "News for {{city}}"),
+    "fromname": ("The sender's name shown to recipients.", "Example Shop"),
+    "fromaddress": ("The sender's address ('' for none).", "news@example.com"),
+    "replyto": ("Where replies go ('' for none).", "help@example.com"),
+    "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
+             "<p>Hello from {{city}}</p>"),
+    "text": ("The plain-text body; merge tags {{field}} are filled per recipient.",
+             "Hello from {{city}}"),
+    "datasources": ("The ids of the datasources whose recipients the segment selects.",
+                    [1], {"items": {"anyOf": [
+                        {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                        {"type": "string", "pattern": "^[0-9]{1,18}$"}]}}),
+    "match": ("all: a recipient must meet every condition; any: at least one.", "all"),
+    "conditions": ("Conditions on field values; none selects every active recipient.",
+                   [{"field": "city", "op": "eq", "value": "Oslo"}],
+                   {"items": {"anyOf": [
+                       {"type": "object", "required": ["field", "op", "value"],
+                        "additionalProperties": False, "properties": {
+                            "field": {"type": "string", "pattern": "\\S"},
+                            "op": {"type": "string", "enum": [
+                                op for op in SEGMENT_OPS if op not in ("empty", "notempty")]},
+                            "value": {"anyOf": [{"type": "string", "pattern":
+                                                 "^[^\\r\\n\\x00]*\\S[^\\r\\n\\x00]*$"},
+                                                {"type": "number"}, {"type": "boolean"}]}}},
+                       {"type": "object", "required": ["field", "op"],
+                        "additionalProperties": False, "properties": {
+                            "field": {"type": "string", "pattern": "\\S"},
+                            "op": {"type": "string", "enum": ["empty", "notempty"]},
+                            "value": {"description": "ignored"}}}]}}),
+    "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
+    "enabled": ("1 when the campaign may send.", "1"),
+    "scheduled": ("Only 0: cancels the planned send (a campaign is scheduled by sending it).",
+                  "0", {"anyOf": [{"type": "string", "enum": ["0", "false"]},
+                                  {"type": "integer", "enum": [0]},
+                                  {"type": "boolean", "enum": [False]}]}),
+    "archiveemail": ("An address that gets a copy of every batch ('' for none).",
+                     "archive@example.com"),
+    "defaulttemplate": ("The name of the template the campaign's messages are wrapped in.",
+                        "plain"),
+    "thumbnail": ("A URL of a picture of the campaign, for people.",
+                  "https://example.com/thumb.png"),
+    "segment": ("The id of the segment that gets the message.", 1),
+    "message": ("The id of the message to send.", 1),
+    "priority": ("Lower goes first: an address in two segments of the campaign gets only "
+                 "the message of the segment with the lower priority.", 1),
+    "segmentmessageid": ("The campaign message's id again, as in the path.", 1),
+    "segmentmessagehack": ("The campaign message's id again, as in the path.", 1),
+    "timestamp": ("When to send: Unix seconds or an RFC 3339 date-time (a time in the past "
+                  "means now); 'YYYY-MM-DD HH:MM:SS' is taken as UTC.", 0),
 }
 
-_BODY_TYPES = {
-    "str": {"type": "string", "pattern": "^[^\\r\\n\\x00]*$", "description": "one line"},
-    "text": {"type": "string", "pattern": "^[^\\x00]*$"},
-    "int": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                      {"type": "string", "pattern": "^[0-9]{1,19}$"}]},
-    "flag": {"enum": ["0", "1", 0, 1, True, False, "true", "false"]},
-    "email": {"anyOf": [{"const": ""}, {"type": "string", "format": "email"}],
-              "description": "an email address, or '' for none"},
-    "list": {"type": "array"},
-    "scalar": {"type": ["string", "number"]},
-    "data": {"type": ["string", "array", "object"], "description": "the upload: CSV text, base64, or "
-             "(for json uploads) an array of objects"},
+
+def _param_doc(route, name):
+    """(description, example, extra schema) of a parameter of ``route``."""
+    kind = route.path.split("/")[1]
+    doc = PARAM_DOCS.get(f"{kind}.{name}") or PARAM_DOCS.get(name)
+    if doc is None:     # tests/test_openapi.py asks for one; the document still serves
+        return "", None, {}
+    description, example, *extra = doc
+    return description, example, (extra or [{}])[0]
+
+
+_INTEGER = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
+_FLAG_WORDS = ["0", "1", "true", "false"]
+# An address as the server takes it (_check_email): surrounding blanks are
+# trimmed, and blank means none.
+_EMAIL_PATTERN = (r"^[^\S\r\n]*(?:(?=[^@]{1,64}@)(?=[^\s]{1,254}[^\S\r\n]*$)"
+                  + _EMAIL_ATOM + r"(?:\." + _EMAIL_ATOM + r")*@"
+                  + _EMAIL_LABEL + r"(?:\." + _EMAIL_LABEL + r")+)?[^\S\r\n]*$")
+
+#: The schema of each parameter type: (in the query string, in a JSON body).
+_PARAM_SCHEMAS = {
+    "str": ({"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},) * 2,
+    "text": ({"type": "string", "pattern": "^[^\\x00]*$"},) * 2,
+    "int": (_INTEGER, {"anyOf": [_INTEGER, {"type": "string", "pattern": "^[0-9]{1,18}$"}]}),
+    "limit": ({"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+              {"anyOf": [{"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+                         {"type": "string", "pattern": "^0*([1-9][0-9]{0,2}|1000)$"}]}),
+    "flag": ({"type": "string", "enum": _FLAG_WORDS},
+             {"anyOf": [{"type": "boolean"}, {"type": "string", "enum": _FLAG_WORDS},
+                        {"type": "integer", "enum": [0, 1]}]}),
+    "email": ({"type": "string", "pattern": _EMAIL_PATTERN},) * 2,
+    "list": ({"type": "array"},) * 2,
+    "data": ({"type": "string"}, {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object", "additionalProperties": True}}]}),
+    "scalar": ({"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},
+               {"anyOf": [{"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},
+                          {"type": "number"}]}),
+    "time": ({"type": "string"}, {"anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 253402300799},
+        {"type": "string", "pattern": "^[0-9]{1,11}$"},
+        {"type": "string", "format": "date-time"}]}),
 }
 
 
-#: Bounds of the page parameters that every listing shares (_page()).
-_PAGE_BOUNDS = {"limit": {"minimum": 1, "maximum": PAGE_MAX, "default": PAGE_DEFAULT},
-                "offset": {"minimum": 0, "default": 0}}
-
-
-def _param_schema(param, in_query=False):
+def _param_schema(route, param, in_query):
+    description, example, extra = _param_doc(route, param.name)
     if param.choices is not None:
-        return {"type": "string", "enum": list(param.choices)}
-    if in_query and param.type in _QUERY_TYPES:
-        schema = dict(_QUERY_TYPES[param.type])
+        schema = {"type": "string", "enum": list(param.choices)}
     else:
-        schema = dict(_BODY_TYPES.get(param.type, {}))
-    if param.type == "int" and param.name in _PAGE_BOUNDS:
-        if "oneOf" in schema:
-            schema = {"oneOf": [{**schema["oneOf"][0], **_PAGE_BOUNDS[param.name]},
-                                schema["oneOf"][1]]}
-        else:
-            schema.update(_PAGE_BOUNDS[param.name])
-    return schema
+        schema = dict(_PARAM_SCHEMAS[param.type][0 if in_query else 1])
+    return {**schema, **extra, **({"description": description} if description else {})}, example
 
 
 def _id_parameter(name, allowed):
     """A path placeholder as an OpenAPI parameter: what its segment accepts."""
     if "name" in allowed:
-        schema, text = {"type": "string", "minLength": 1}, "an id or a name"
+        schema, text, example = {"type": "string", "minLength": 1}, "an id or a name", "city"
     else:
         words = [word for word in allowed if word != "int"]
-        choices = (["[0-9]{1,19}"] if "int" in allowed else []) + [re.escape(w) for w in words]
+        choices = (["[0-9]{1,18}"] if "int" in allowed else []) + [re.escape(w) for w in words]
         schema = {"type": "string", "pattern": "^(" + "|".join(choices) + ")$"}
-        text = " or ".join((["an integer id"] if "int" in allowed else [])
-                           + [f"'{word}'" for word in words])
+        text = " or ".join((["an integer id (0 on create: the next free id)"]
+                            if "int" in allowed else []) + [f"'{word}'" for word in words])
+        example = "1" if "int" in allowed else words[0]
     return {"name": name, "in": "path", "required": True, "schema": schema,
-            "description": text}
+            "description": text, "example": example}
 
 
 def _error_codes():
-    """``{status: [codes]}`` of every ApiError class: the contract's section 2."""
+    """``{status: [codes]}`` of every ApiError class."""
     codes, classes = {}, [ApiError]
     while classes:
         cls = classes.pop()
@@ -6223,7 +6358,7 @@ def _route_statuses(route):
         statuses |= {401, 403}
     if route.ids:
         statuses.add(404)
-    if route.writes:
+    if route.writes or route.changes:
         statuses |= {409, 422}
     return sorted(statuses)
 
@@ -6240,7 +6375,8 @@ def _success_data(route):
     # (campaign messages answer under "message").
     key, answers = answers if isinstance(answers, tuple) else (answers, answers)
     if answers not in RECORD_SCHEMAS:
-        return {"description": "See the contract for this operation."}
+        # tests/test_openapi.py asks every route of ROUTES to say (answers=).
+        return {"description": "Not described yet."}
     record = {"$ref": f"#/components/schemas/{answers}"}
     one = {"type": "object", "required": [key], "properties": {key: record}}
     if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
@@ -6252,48 +6388,73 @@ def _success_data(route):
 
 def _envelope_schema(success, data):
     return {"type": "object", "required": ["responseId", "version", "success", "data"],
-            "properties": {"responseId": {"type": "string"}, "version": {"const": 1},
-                           "success": {"const": success}, "data": data}}
+            "properties": {"responseId": {"type": "string"},
+                           "version": {"type": "integer", "enum": [1]},
+                           "success": {"type": "boolean", "enum": [success]}, "data": data}}
 
 
 def _operation(route):
     levels = f"an API key with the '{route.level}' level" if route.level else "no API key"
     literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
+    verb = _OPENAPI_VERBS.get(route.method, route.method)
+    in_query = route.method in ("GET", "DELETE")
+    notes = [f"Needs {levels}."]
+    if route.changes and route.method == "GET":
+        notes.append("This GET changes data (as the original service did): do not prefetch it.")
+    parameters = [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
+    body, example = {}, {}
+    for param in route.params.values():
+        schema, example[param.name] = _param_schema(route, param, in_query)
+        if in_query:
+            parameters.append({"name": param.name, "in": "query", "required": param.required,
+                               "schema": schema, **({"example": example[param.name]}
+                                                    if example[param.name] is not None else {})})
+        else:
+            body[param.name] = schema
     operation = {
-        "operationId": route.method.lower() + re.sub(r"\W+", "_", route.path).rstrip("_"),
-        "summary": route.summary or f"{_OPENAPI_VERBS.get(route.method, route.method)} "
-                                    f"{' '.join(literal)}",
-        "tags": literal[:1],
-        "description": f"Needs {levels}. Parameters may come in the query string or in a "
-                       "JSON object body (body keys win); unknown ones are refused.",
+        "operationId": re.sub(r"\W+", "_", "_".join([verb, *(literal or ["index"])])).lower(),
+        "summary": route.summary or f"{verb} {' '.join(literal)}",
+        "tags": literal[:1] or ["index"],
+        "description": " ".join(notes),
         "x-access-level": route.level,
+        "x-changes-data": route.changes,
         "security": [{"bearer": []}] if route.level else [],
-        "parameters": [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
-        + [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p, True)}
-           for p in route.params.values() if p.type != "list"],
+        "parameters": parameters,
     }
-    if route.params:
+    if body:
         required = [p.name for p in route.params.values() if p.required]
-        body = {"type": "object", "additionalProperties": False,
-                "properties": {p.name: _param_schema(p) for p in route.params.values()}}
+        schema = {"type": "object", "additionalProperties": False, "properties": body,
+                  **route.body_rules}
         if required:
-            body["required"] = required
+            schema["required"] = required
         operation["requestBody"] = {
             "required": bool(required),
-            "description": "Parameters may come in the query string instead.",
-            "content": {"application/json": {"schema": body}}}
+            "content": {"application/json": {"schema": schema, "example": example}}}
     if isinstance(route.answers, dict) and "content" in route.answers:
         success = route.answers
     else:
-        success = {"description": "Success: the envelope with the operation's data (a "
-                                  "browser gets it as an HTML page).",
+        success = {"description": "Success: the envelope with the operation's data.",
                    "content": {"application/json": {"schema": _envelope_schema(
-                       True, _success_data(route))}, "text/html": {"schema": {"type": "string"}}}}
+                       True, _success_data(route))}}}
     operation["responses"] = {
         "200": success,
         **{str(status): {"$ref": f"#/components/responses/{status}"}
            for status in _route_statuses(route)}}
     return operation
+
+
+#: The data of every error: a code, a sentence, and where it helps more.
+ERROR_SCHEMA = {"type": "object", "required": ["error", "message"], "properties": {
+    "error": {"type": "string", "description": "the error code"},
+    "message": {"type": "string", "description": "one sentence a person can act on"},
+    "field": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+              "description": "the parameter (or the parameters) at fault"},
+    "allowed": {"type": "array", "items": {"type": "string"},
+                "description": "the values or parameters allowed"},
+    "checks": {"type": "array", "items": {"$ref": "#/components/schemas/check"},
+               "description": "verify's checks, on verification_failed"},
+    "rows": {"type": "array", "items": {"type": "object", "additionalProperties": True},
+             "description": "the first rows that fail, on invalid_data"}}}
 
 
 def openapi_document(routes=None, base_url=None):
@@ -6311,37 +6472,25 @@ def openapi_document(routes=None, base_url=None):
     for route in routes:
         path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
         paths.setdefault(path, {})[route.method.lower()] = _operation(route)
-    error_data = {"type": "object", "required": ["error", "message"], "properties": {
-        "error": {"type": "string"}, "message": {"type": "string"},
-        "field": {"description": "the parameter (or list of them) at fault"},
-        "allowed": {"type": "array", "description": "the values or parameters allowed"},
-        "checks": {"type": "array", "items": {"type": "object"},
-                   "description": "verify's checks, on verification_failed"},
-        "rows": {"type": "array", "items": {"type": "object"},
-                 "description": "the first rows that fail, on invalid_data"}}}
-    responses = {}
+    responses, errors = {}, {}
     for status, codes in _error_codes().items():
-        data = {"allOf": [{"$ref": "#/components/schemas/error"},
-                          {"properties": {"error": {"enum": codes}}}]}
+        name = f"error{status}"
+        errors[name] = _envelope_schema(False, {**ERROR_SCHEMA, "properties": {
+            **ERROR_SCHEMA["properties"], "error": {"type": "string", "enum": codes}}})
         responses[str(status)] = {
             "description": f"{bottle.HTTP_CODES.get(status, 'Error')}: {', '.join(codes)}.",
-            "content": {"application/json": {"schema": _envelope_schema(False, data)},
-                        "text/html": {"schema": {"type": "string"}}}}
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
     responses["401"]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
     responses["405"]["headers"] = {"Allow": {"schema": {"type": "string"}}}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "campaignapi", "version": __version__,
-                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " Every answer "
-                 "is the envelope {responseId, version, success, data}; errors carry "
-                 "{error, message} in data and a real HTTP status. A method that a path "
-                 "lacks answers 405 method_not_allowed with an Allow header."},
+                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " " + OPENAPI_RULES},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "An API key's secret."}},
-            "schemas": {"error": error_data, "envelope": _envelope_schema(True, {}),
-                        **RECORD_SCHEMAS},
+            "schemas": {"error": ERROR_SCHEMA, **errors, **RECORD_SCHEMAS},
             "responses": responses,
         },
         "security": [{"bearer": []}],
@@ -6349,6 +6498,21 @@ def openapi_document(routes=None, base_url=None):
     if base_url is not None:
         document["servers"] = [{"url": base_url or "/"}]
     return document
+
+
+#: The rules every operation shares, at the head of the document.
+OPENAPI_RULES = (
+    "Every answer is the envelope {responseId, version, success, data}; the same responseId "
+    "is the X-Response-Id header. An error has success false, a real HTTP status, and data "
+    "{error, message} with field, allowed, checks or rows where they help. Parameters: GET "
+    "and DELETE take them in the query string, PUT and POST in a JSON object body "
+    "(Content-Type: application/json); either place is accepted on every method (the body "
+    "wins; each value given is checked). Unknown parameters are refused. A number or id may "
+    "be a JSON number or a string of digits, a flag 0/1, '0'/'1', 'true'/'false' or a JSON "
+    "boolean. Records answer every value as a string (or null). Ids are integers; create "
+    "with PUT at id 0 for the next free id, or at a free id of your choice (a safe retry). "
+    "A method that a path lacks answers 405 with an Allow header. A browser (Accept "
+    "preferring text/html) gets the envelope in a small HTML page.")
 
 
 def _openapi_get(call):
@@ -6362,7 +6526,30 @@ def _openapi_get(call):
 
 
 _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no envelope).",
-                   "content": {"application/json": {"schema": {"type": "object"}}}}
+                   "content": {"application/json": {"schema": {
+                       "type": "object", "additionalProperties": True}}}}
+#: An upload is text unless its type is json.
+_TEXT_UNLESS_JSON = {
+    "if": {"properties": {"__uploadtype__": {"enum": ["csv", "base64"]}}},
+    "then": {"properties": {"__uploaddata__": {"type": "string"}}}}
+_PAGE_ANSWER = {"description": "An HTML page for the recipient.",
+                "content": {"text/html": {"schema": {"type": "string"}}}}
+
+
+def _index(call):
+    """What this API is and where to start: the version and the main links."""
+    base = call.base_url + "/v1"
+    return {"name": "campaignapi", "version": __version__, "openapi": base + "/openapi.json",
+            "collections": {kind: f"{base}/{kind}/all" for kind in INDEX_COLLECTIONS}}
+
+
+INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
+_INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
+                 "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                                "openapi": {"type": "string", "format": "uri"},
+                                "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
+                                                "properties": {kind: {"type": "string"} for kind
+                                                               in INDEX_COLLECTIONS}}}}
 
 
 # ---------------------------------------------------------------------------
@@ -6382,14 +6569,18 @@ ROUTES = [
     Route("DELETE", "/datasource/{id}", "delete", DATASOURCE.delete, summary="Delete datasource"),
     Route("GET",    "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", RECIPIENT.get),
     Route("GET",    "/datasource/{parent_id}/modify/{child_id:name}", "write", _field_modify,
-          "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True),
+          "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True,
+          summary="Rename or retype a field", answers={"type": "object", "required": ["field"],
+                                                    "properties": {"field": {"$ref": "#/components/schemas/field"}}}),
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
-          "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!"),
+          "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",
+          summary="Import recipients", answers=ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
     Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
     Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
     # Not one transaction: _run_export() commits its record around the file.
-    Route("GET",    "/datasource/{parent_id}/export/{child_id}", "read", _export_get, ""),
+    Route("GET",    "/datasource/{parent_id}/export/{child_id}", "read", _export_get, "",
+          changes=True, summary="Export recipients (0: a new export) or get an export"),
     Route("GET",    "/datasource/{parent_id}/organize/{child_id:int|all}", "read", ORGANIZE.get),
     Route("PUT",    "/datasource/{parent_id}/organize/{child_id}", "create", ORGANIZE.create),
     Route("POST",   "/datasource/{parent_id}/organize/{child_id}", "write", ORGANIZE.change),
@@ -6421,19 +6612,23 @@ ROUTES = [
     Route("GET",    "/campaign/{parent_id}/structure/{child_id}", "read", _campaign_structure_get),
     Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
     Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
-          "timestamp:scalar!"),
+          "timestamp:time!", summary="Send the campaign (a new batch)", answers=ANSWER_ID),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
-    # Public routes (no key): the OpenAPI document, downloads, unsubscribe
+    # Public routes (no key): the index, the OpenAPI document, downloads, unsubscribe
+    Route("GET",    "/", None, _index, "", summary="The index of this API",
+          answers=_INDEX_ANSWER),
     Route("GET",    "/openapi.json", None, _openapi_get,
           summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
     Route("GET",    "/download/{token:name}", None, _download,
           summary="Download an export's CSV (the link from the export record)",
           answers={"description": "The export as a CSV attachment.",
                    "content": {"text/csv": {"schema": {"type": "string"}}}}),
-    Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False),
-    Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False),
+    Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False,
+          summary="The unsubscribe page of a recipient's link", answers=_PAGE_ANSWER),
+    Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False,
+          summary="Unsubscribe (the page's button, or RFC 8058 one-click)", answers=_PAGE_ANSWER),
 ]
 
 
@@ -6456,6 +6651,9 @@ def create_app(db="campaignapi.db", **config):
         app.route(route.rule, route.method,
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
+    # The root sends people and tools to the index.
+    app.route("/", "GET", callback=lambda: bottle.HTTPResponse(
+        status=302, headers={"Location": "v1/"}), name="root")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")

@@ -164,8 +164,8 @@ def test_another_accounts_records_cannot_be_used_in_ones_own(client, other, worl
     assert profile and profile[0]["passed"] == "0"
     # Their organize item is not theirs to file.
     own = stranger.put("/datasource/0", name="own")["id"]
-    assert stranger.put(f"/datasource/{own}/organize/0", status=400, item=1, folder="x",
-                        sortorder=1)["error"] == "invalid_parameter"
+    assert stranger.put(f"/datasource/{own}/organize/0", status=409, item=1, folder="x",
+                        sortorder=1)["error"] == "conflict"
 
 
 # --- secrets --------------------------------------------------------------------------------
