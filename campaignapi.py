@@ -6652,8 +6652,8 @@ def create_app(db="campaignapi.db", **config):
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
     # The root sends people and tools to the index.
-    app.route("/", "GET", callback=lambda: bottle.HTTPResponse(
-        status=302, headers={"Location": "v1/"}), name="root")
+    app.route("/", "GET", callback=lambda: bottle.HTTPResponse(status=302, headers={
+        "Location": urllib.parse.urljoin(bottle.request.url, "v1/")}), name="root")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")

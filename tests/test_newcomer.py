@@ -4,6 +4,7 @@ spreadsheet sent as base64, the page size's range, the API's index."""
 import io
 import zipfile
 
+import campaignapi
 from helpers import get_import, import_csv, make_datasource
 
 
@@ -62,3 +63,17 @@ def test_the_page_size_names_its_range(api):
         assert data["message"] == "'limit' must be a whole number from 1 to 1000."
         assert data["field"] == "limit"
     assert api.get("/campaign/all", limit="1000")["limit"] == "1000"
+
+
+def test_the_index_names_the_version_the_document_and_the_collections(client, auth):
+    data = client.get("/v1/").json["data"]      # no key needed
+    base = "http://localhost:80/v1"
+    assert data["version"] == campaignapi.__version__
+    assert data["openapi"] == base + "/openapi.json"
+    assert data["collections"]["campaign"] == base + "/campaign/all"
+    for url in data["collections"].values():
+        assert client.get(url[len("http://localhost:80"):], headers=auth).json["success"]
+    root = client.get("/", status=302)
+    assert root.headers["Location"].endswith("/v1/")
+    assert client.get(root.headers["Location"]).json["data"] == data
+    client.post("/", status=404)   # only GET is redirected
