@@ -1690,7 +1690,7 @@ class Resource:
 
     :param name: the kind: the answer's key and its word in the route table.
     :param table: its table (a fixed name, never request text).
-    :param shape: ``shape(call, row) -> record``: a row as the contract's record.
+    :param shape: ``shape(call, row) -> record``: a row as the API's record.
     :param columns: the columns Create and Change take, as route parameters
         (``"name:type ..."``); ``required``: those Create needs.
     :param extra: ``{operation: "name:type ..."}``, further parameters of an
@@ -1715,7 +1715,7 @@ class Resource:
     :param soft_delete: Delete sets ``deleted`` (the record stays) instead of
         removing the row; ``stamped``: the table has ``created``.
     :param answer: the answer's key (default ``name``); ``one_as_list``: one
-        record is answered as a list of one (the spec's ``emt_campaign``).
+        record is answered as a list of one (as the original service's ``emt_campaign``).
     :param schema: the OpenAPI schema of the record (default ``name``).
     """
 
@@ -4072,7 +4072,7 @@ def archive_page(archive_record, title):
     person: the figures, a chart of opens and clicks over time (inline SVG,
     nothing loaded from elsewhere) and the links with their clicks.
 
-    :param archive_record: the record of API.md section 12 (counts as
+    :param archive_record: the archive record (counts as
         strings; ``links`` [{url, clicks, clicked}]; ``timeline`` [{hour,
         opens, clicks}]).  Every value is escaped.
     :param title: the page's heading, plain text.
@@ -6180,7 +6180,7 @@ ANSWER_DONE = {"type": "boolean", "description": "true: done"}
 
 def records_answer(key, kind):
     """Success data that lists records of ``kind`` under ``key`` for one id as
-    for ``all`` (the spec's ``emt_campaign``); pages add total, limit, offset."""
+    for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
     return {"type": "object", "required": [key], "properties": {
         key: {"type": "array", "items": {"$ref": f"#/components/schemas/{kind}"}},
         **{name: {"type": "string"} for name in ("total", "limit", "offset")}}}

@@ -1,4 +1,4 @@
-"""Bad input: hostile and broken input gets a clear 4xx with the contract's
+"""Bad input: hostile and broken input gets a clear 4xx with the API's
 code, never a 500 -- wrong types for every parameter of every route, huge
 and deeply nested JSON, invalid UTF-8, NUL bytes, line breaks in header
 values, ids past 2^63, negative paging."""

@@ -141,15 +141,15 @@ def test_levels_and_security_follow_the_route_table(document):
         "type": "http", "scheme": "bearer", "description": "An API key's secret."}
 
 
-def test_every_error_code_of_the_contract_is_described(document):
-    contract = {400: {"invalid_json", "missing_parameter", "invalid_parameter",
+def test_every_error_code_is_described(document):
+    expected = {400: {"invalid_json", "missing_parameter", "invalid_parameter",
                       "unknown_parameter", "invalid_identifier"},
                 401: {"unauthorized"}, 403: {"insufficient_access"}, 404: {"not_found"},
                 405: {"method_not_allowed"}, 409: {"conflict", "verification_failed"},
                 413: {"payload_too_large"}, 415: {"unsupported_media_type"},
                 422: {"invalid_data"}, 500: {"internal_error"}}
     responses = document["components"]["responses"]
-    for status, codes in contract.items():
+    for status, codes in expected.items():
         ref = responses[str(status)]["content"]["application/json"]["schema"]["$ref"]
         schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
         assert schema["properties"]["success"] == {"type": "boolean", "enum": [False]}

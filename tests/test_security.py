@@ -1,5 +1,5 @@
 """Security: every route x every kind of bad credential and every missing
-access level gets the contract's answer; another account's records are 404
+access level gets the API's answer; another account's records are 404
 everywhere and stay untouched; secrets are never stored or logged in clear;
 download tokens are unguessable, expire and refuse forgeries; no error body
 shows SQL or a traceback."""
