@@ -6572,16 +6572,17 @@ _PAGE_ANSWER = {"description": "An HTML page for the recipient.",
 
 
 def _index(call):
-    """What this API is and where to start: the version and the main links."""
-    base = call.base_url + "/v1"
-    return {"name": "campaignapi", "version": __version__, "openapi": base + "/openapi.json",
-            "collections": {kind: f"{base}/{kind}/all" for kind in INDEX_COLLECTIONS}}
+    """What this API is and where to start: the version and the main links,
+    as references relative to the index's own URL (``/v1/``), so they hold
+    under any mount prefix or proxy."""
+    return {"name": "campaignapi", "version": __version__, "openapi": "openapi.json",
+            "collections": {kind: f"{kind}/all" for kind in INDEX_COLLECTIONS}}
 
 
 INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
 _INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
                  "properties": {"name": {"type": "string"}, "version": {"type": "string"},
-                                "openapi": {"type": "string", "format": "uri"},
+                                "openapi": {"type": "string", "format": "uri-reference"},
                                 "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
                                                 "properties": {kind: {"type": "string"} for kind
                                                                in INDEX_COLLECTIONS}}}}

@@ -400,8 +400,8 @@ def test_mounted_under_a_prefix(monkeypatch, db, make_key):
     assert_error(client.get("/email/v1/nothing", expect_errors=True), 404, "not_found")
     # The root redirects to the index (GET /v1/).
     assert client.get("/email/", status=302).headers["Location"] == "http://localhost:80/email/v1/"
-    assert client.get("/email/v1/").json["data"]["openapi"] == \
-        "http://localhost:80/email/v1/openapi.json"
+    assert client.get("/email/v1/" + client.get("/email/v1/").json["data"]["openapi"]).json[
+        "openapi"].startswith("3.1")
     response = client.request("/email/v1/campaign/1", method="PATCH", expect_errors=True)
     assert_error(response, 405, "method_not_allowed")
     assert "POST" in response.headers["Allow"]
