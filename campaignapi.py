@@ -1133,6 +1133,9 @@ class Route:
 
     ``changes=True``: the route changes data although it does not run as one
     writing transaction (the document marks it; a GET that writes).
+    ``body_rules``: JSON Schema keywords added to the document's body schema
+    where parameters depend on each other (``if``/``then``).  Each parameter
+    name is described once, in PARAM_DOCS (tests/test_openapi.py asks for it).
 
     ``reads_body=False``: the route takes no parameters from the body and
     ignores whatever body comes (an HTML form post, an RFC 8058 one-click
