@@ -6566,6 +6566,8 @@ def _openapi_get(call):
 _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no envelope).",
                    "content": {"application/json": {"schema": {
                        "type": "object", "additionalProperties": True}}}}
+_FIELD_ANSWER = {"type": "object", "required": ["field"],
+                 "properties": {"field": {"$ref": "#/components/schemas/field"}}}
 #: An upload is text unless its type is json.
 _TEXT_UNLESS_JSON = {
     "if": {"properties": {"__uploadtype__": {"enum": ["csv", "base64"]}}},
@@ -6584,11 +6586,13 @@ def _index(call):
 
 INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
 _INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
-                 "properties": {"name": {"type": "string"}, "version": {"type": "string"},
-                                "openapi": {"type": "string", "format": "uri-reference"},
-                                "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
-                                                "properties": {kind: {"type": "string"} for kind
-                                                               in INDEX_COLLECTIONS}}}}
+                 "properties": {
+                     "name": {"type": "string"}, "version": {"type": "string"},
+                     "openapi": {"type": "string", "format": "uri-reference"},
+                     "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
+                                     "properties": {kind: {"type": "string", "format":
+                                                           "uri-reference"}
+                                                    for kind in INDEX_COLLECTIONS}}}}
 
 
 # ---------------------------------------------------------------------------
@@ -6609,8 +6613,7 @@ ROUTES = [
     Route("GET",    "/datasource/{parent_id}/recipient/{child_id:int|all}", "read", RECIPIENT.get),
     Route("GET",    "/datasource/{parent_id}/modify/{child_id:name}", "write", _field_modify,
           "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True,
-          summary="Rename or retype a field", answers={"type": "object", "required": ["field"],
-                                                    "properties": {"field": {"$ref": "#/components/schemas/field"}}}),
+          summary="Rename or retype a field", answers=_FIELD_ANSWER),
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
           "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",

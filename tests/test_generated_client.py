@@ -112,7 +112,8 @@ def test_a_campaign_from_nothing_with_only_the_generated_client(generated, live_
     assert isinstance(refused, models.Error404), refused
     wrong = api.campaign.get_campaign.sync("all", client=client, limit=5000)
     assert isinstance(wrong, models.Error400)
-    assert wrong.data.field == "limit" and wrong.data.error == models.Error400DataError.INVALID_PARAMETER
+    assert wrong.data.field == "limit"
+    assert wrong.data.error == models.Error400DataError.INVALID_PARAMETER
 
     link = api.campaign.create_campaign_message.sync(campaign_id, "0", client=client,
         body=models.CreateCampaignMessageBody(segment=int(segment.data.id),
