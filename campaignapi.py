@@ -265,6 +265,8 @@ SQL = {
         # BEGIN IMMEDIATE already excludes every other writer.
         "for_update": "",
         "skip_locked": "",
+        # A text with characters beyond ASCII (SQLite 3.40 lacks octet_length).
+        "non_ascii": "length(CAST({expr} AS BLOB)) != length({expr})",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -289,6 +291,7 @@ SQL = {
         "for_update": "FOR UPDATE",
         # Claim outbox rows: each worker takes rows no other has locked.
         "skip_locked": "FOR UPDATE SKIP LOCKED",
+        "non_ascii": "octet_length({expr}) != length({expr})",
     },
 }
 
@@ -321,11 +324,26 @@ def connect(db):
     try:
         conn.row_factory = sqlite3.Row
         for name, value in PRAGMAS:
-            conn.execute(f"PRAGMA {name} = {value}")
+            _pragma(conn, name, value)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def _pragma(conn, name, value, wait=30.0):
+    """Set a pragma, waiting while another connection holds the lock it needs:
+    SQLite answers a journal-mode change 'database is locked' at once, without
+    its busy handler, when processes open a new file together."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            conn.execute(f"PRAGMA {name} = {value}")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -1009,6 +1027,8 @@ def _as_int(value):
         return None
     if isinstance(value, int):
         return value if 0 <= value <= MAX_ID else None
+    if isinstance(value, float):    # 705.0 is the integer 705 in JSON (and JSON Schema)
+        return int(value) if value.is_integer() and 0 <= value <= MAX_ID else None
     if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
         number = int(value)
         return number if number <= MAX_ID else None
@@ -1029,6 +1049,14 @@ def _check_int(name, value):
     number = _as_int(value)
     if number is None:
         raise InvalidParameter(f"'{name}' must be a whole number from 0 to {MAX_ID}.", field=name)
+    return number
+
+
+def _check_limit(name, value):
+    number = _as_int(value)
+    if number is None or not 1 <= number <= PAGE_MAX:
+        raise InvalidParameter(f"'{name}' must be a whole number from 1 to {PAGE_MAX}.",
+                               field=name)
     return number
 
 
@@ -1066,7 +1094,7 @@ def _check_scalar(name, value):
 
 def _check_ref(name, value):
     # A reference that may be unset: an id, or '' / null / 0 for none.
-    if value in ("", None, 0, "0"):
+    if value is None or (value.__class__ is not bool and value in ("", 0, "0")):
         return None
     return _check_int(name, value)
 
@@ -1086,11 +1114,21 @@ def _check_data(name, value):
     return value
 
 
+def _check_time(name, value):
+    # Unix seconds (a number or digits) or a date-time: parse_timestamp()
+    # reads it in the handler, which knows the time now.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise InvalidParameter(f"'{name}' must be Unix seconds or a date-time text.", field=name)
+    parse_timestamp(value)
+    return value
+
+
 #: Parameter types of the route table: name -> checker(name, value) -> value.
 PARAM_TYPES = {
     "str": lambda name, value: _check_str(name, value, False),
     "text": lambda name, value: _check_str(name, value, True),
     "int": _check_int,
+    "limit": _check_limit,
     "flag": _check_flag,
     "email": _check_email,
     "list": _check_list,
@@ -1098,6 +1136,7 @@ PARAM_TYPES = {
     "ref": _check_ref,
     "scalar": _check_scalar,
     "data": _check_data,
+    "time": _check_time,
 }
 
 
@@ -1137,6 +1176,12 @@ class Route:
     ``data``, or a whole OpenAPI response object (with ``content``) for a
     route that answers something other than the envelope.
 
+    ``changes=True``: the route changes data although it does not run as one
+    writing transaction (the document marks it; a GET that writes).
+    ``body_rules``: JSON Schema keywords added to the document's body schema
+    where parameters depend on each other (``if``/``then``).  Each parameter
+    name is described once, in PARAM_DOCS (tests/test_openapi.py asks for it).
+
     ``reads_body=False``: the route takes no parameters from the body and
     ignores whatever body comes (an HTML form post, an RFC 8058 one-click
     unsubscribe), instead of answering 415 for a body that is not JSON.
@@ -1151,7 +1196,8 @@ class Route:
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
     def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
-                 answers=None, reads_body=True, body=None, errors=()):
+                 answers=None, reads_body=True, body=None, errors=(), changes=None,
+                 body_rules=None, pages=False):
         self.method, self.path, self.level, self.handler = method, path, level, handler
         # An operation of a record kind (Resource.get, .create, ...) takes the
         # parameters its kind declares for it and answers that kind.
@@ -1166,9 +1212,18 @@ class Route:
         # For the OpenAPI document only: a one-line title, and what ``data``
         # holds on success (see openapi_document()).
         self.summary, self.answers = summary, answers
+        # JSON Schema keywords that tie body parameters together (if/then).
+        self.body_rules = body_rules or {}
         self.params = {p.name: p for p in map(Param, params.split())}
         self.writes = method != "GET" if writes is None else writes
         self.reads_body, self.body, self.errors = reads_body, body, tuple(errors)
+        # A route a person opens in a browser (a link of an email, a form):
+        # it answers HTML pages, its errors included.
+        self.pages = pages
+        # Whether the route changes data, for the document: a GET may, even
+        # outside one transaction (an export commits its record itself).
+        self.changes = self.writes if changes is None else changes
+        self.reads_body = reads_body
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
@@ -1311,6 +1366,9 @@ def _read_params(route, environ, limit):
         del body
         if not isinstance(document, dict):
             raise InvalidJson("The request body must be a JSON object of parameters.")
+        # The body wins, but a bad value in the query string is still refused.
+        for name in set(given) & set(document) & set(route.params):
+            route.params[name].check(given[name])
         given.update(document)
     unknown = sorted(set(given) - set(route.params))
     if unknown:
@@ -1327,11 +1385,7 @@ def _read_params(route, environ, limit):
 
 def _page(call):
     """``(limit, offset)`` of a listing, checked."""
-    limit = call.get("limit", PAGE_DEFAULT)
-    offset = call.get("offset", 0)
-    if not 1 <= limit <= PAGE_MAX:
-        raise InvalidParameter(f"'limit' must be from 1 to {PAGE_MAX}.", field="limit")
-    return limit, offset
+    return call.get("limit", PAGE_DEFAULT), call.get("offset", 0)
 
 
 #: Compact JSON as every answer and stored JSON text is written: one encoder,
@@ -1703,9 +1757,10 @@ def _columns(call, names):
 
 
 def _same_id(call, name, value):
-    """Refuse when the body's ``name`` does not repeat the id ``value``."""
+    """Refuse when the body's ``name`` does not repeat the id ``value``: a
+    conflict (409) between the request's two ids, not a malformed request."""
     if call.get(name) != value:
-        raise InvalidParameter(f"'{name}' must equal the id in the path ({value}).", field=name)
+        raise Conflict(f"'{name}' must equal the id in the path ({value}).", field=name)
 
 
 class Resource:
@@ -1715,7 +1770,7 @@ class Resource:
 
     :param name: the kind: the answer's key and its word in the route table.
     :param table: its table (a fixed name, never request text).
-    :param shape: ``shape(call, row) -> record``: a row as the contract's record.
+    :param shape: ``shape(call, row) -> record``: a row as the API's record.
     :param columns: the columns Create and Change take, as route parameters
         (``"name:type ..."``); ``required``: those Create needs.
     :param extra: ``{operation: "name:type ..."}``, further parameters of an
@@ -1741,7 +1796,7 @@ class Resource:
     :param soft_delete: Delete sets ``deleted`` (the record stays) instead of
         removing the row; ``stamped``: the table has ``created``.
     :param answer: the answer's key (default ``name``); ``one_as_list``: one
-        record is answered as a list of one (the spec's ``emt_campaign``).
+        record is answered as a list of one (as the original service's ``emt_campaign``).
     :param schema: the OpenAPI schema of the record (default ``name``).
     """
 
@@ -1776,7 +1831,7 @@ class Resource:
     def params(self, operation):
         """The route parameters of ``operation`` (get, create, change, delete)."""
         if operation == "get":
-            return " ".join(["limit:int offset:int", *self.filters])
+            return " ".join(["limit:limit offset:int", *self.filters])
         specs = []
         if operation == "create" and self.parent_param:
             specs.append(f"{self.parent_param}:int!")
@@ -1873,7 +1928,7 @@ class Resource:
             values["owner"] = call.account
         else:
             if self.parent_param and call.params[self.parent_param] != call.parent["id"]:
-                raise InvalidParameter(f"'{self.parent_param}' must be the {self.parent.label} "
+                raise Conflict(f"'{self.parent_param}' must be the {self.parent.label} "
                                        f"in the path ({call.parent['id']}).",
                                        field=self.parent_param)
             values[self.parent_key] = call.parent["id"]
@@ -1937,12 +1992,14 @@ def _datasource_values(call, row):
             continue
         try:
             record = kind.find(call.conn, call.account, values[name], live=True)
-        except (NotFound, Conflict) as error:
-            raise InvalidParameter(f"'{name}': {error.message}", field=name) from None
+        except (NotFound, Conflict) as error:   # a reference: 404 missing, 409 deleted
+            error.message = f"'{name}': {error.message}"
+            error.extra["field"] = name
+            raise
         if name == "confirmmessage":
             bodies = [record[body] for body in ("html", "text") if record[body].strip()]
             if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
-                raise InvalidParameter(
+                raise Conflict(
                     f"Message {values[name]} cannot be the confirmation email: each of its "
                     "bodies must carry the merge tag {{confirm_url}}.", field=name)
     merged = {**(dict(row) if row else {}), **values}
@@ -2373,6 +2430,10 @@ class _Importer:
         # For an account with erased addresses: marks the new recipients that
         # are erased ones (see _erased_marker); None keeps imports as fast.
         self.erased = None
+        # New fields: placeholder key -> name until a stored row has them,
+        # then placeholder -> field id; and the last keys translated (a CSV
+        # passes one tuple for every row, a JSON upload one per shape).
+        self.unmade, self.made, self.last_keys = {}, {}, (None, None)
         # Existing recipients this import already updated: a repeated row
         # in a later chunk must not count again.
         conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
@@ -2398,12 +2459,25 @@ class _Importer:
                 self.report(1, f"column '{label[:50]}' left out: a field name is one line "
                                "without braces, at most 200 characters")
                 return None
-            field_id = self.conn.execute(
-                "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
-                (self.datasource, label)).lastrowid
-            field = self.fields[label.lower()] = (field_id, label, "text")
+            # Made when the first row that has it is stored (add()): a column
+            # of skipped rows alone (a typo'd key) leaves no field behind.
+            field = self.fields[label.lower()] = (f"new:{label.lower()}", label, "text")
+            self.unmade[field[0]] = label
         self.names[str(field[0])] = field[1]
         return str(field[0]), field[2]
+
+    def _made(self, keys):
+        """``keys`` with the new fields among them made now, as field ids."""
+        for key in keys:
+            label = self.unmade.pop(key, None)
+            if label is not None:
+                field_id = self.conn.execute(
+                    "INSERT INTO field (datasource, name, type) VALUES (?, ?, 'text')",
+                    (self.datasource, label)).lastrowid
+                self.fields[label.lower()] = (field_id, label, "text")
+                self.names[str(field_id)] = label
+                self.made[key] = str(field_id)
+        return tuple([self.made.get(key, key) for key in keys])
 
     def convert(self, number, keys, kinds, raws):
         """The raw values typed for their fields, or None (the row is skipped)."""
@@ -2427,6 +2501,10 @@ class _Importer:
             text = email.strip() if isinstance(email, str) else ""
             return self.skip(number, f"'{text[:100]}' is not a valid email address" if text
                              else "no email address")
+        if self.made or self.unmade:
+            if keys is not self.last_keys[0]:
+                self.last_keys = (keys, self._made(keys))
+            keys = self.last_keys[1]
         folded = _nocase(address)
         earlier = self.pending.get(folded)
         if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
@@ -2663,6 +2741,11 @@ def _import_create(call, child_id):
     raw = None if upload_type == "json" else _upload_bytes(upload_type, data)
     if raw is not None:
         data = None
+        if b"\x00" in raw[:4096] and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            kind = " (a ZIP file, such as an Excel .xlsx: save it as CSV)" \
+                if raw.startswith(b"PK\x03\x04") else ""
+            raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
+                              field="__uploaddata__")
     import_id = insert_record(call.conn, "import", child_id, {
         "datasource": datasource["id"], "name": call.params["name"],
         "originalfile": call.params["originalfile"], "uploadtype": upload_type,
@@ -3023,6 +3106,10 @@ def _check_defaulttemplate(call, value):
         TEMPLATE.find(call.conn, call.account, number, live=True)
         return str(number)
     if value:
+        if not call.service.config["templates_dir"]:
+            raise Conflict("This server has no templates folder (the templates_dir setting, "
+                           "--templates-dir), so a template file cannot be named; use a "
+                           "template id or ''.", field="defaulttemplate")
         try:
             for suffix in (".html", ".txt"):
                 _template_file(call.service.config["templates_dir"], value, suffix)
@@ -3136,7 +3223,8 @@ def _checked_conditions(conn, datasources, given):
         kinds = {"email"} if name.lower() == "email" else {
             known[name.lower()][2] for known in fields if name.lower() in known}
         if not kinds:
-            raise InvalidParameter(f"{where}: no datasource of this segment has a field "
+            # 409, as for every refusal that depends on stored records.
+            raise Conflict(f"{where}: no datasource of this segment has a field "
                                    f"'{name}'.", field="conditions")
         if op in ("empty", "notempty"):
             checked.append({"field": name, "op": op, "value": None})
@@ -3155,7 +3243,7 @@ def _checked_conditions(conn, datasources, given):
                 try:
                     convert_value(kind, str(value))  # as it is stored and used
                 except ValueError as error:
-                    raise InvalidParameter(f"{where}.value does not fit the {kind} field "
+                    raise Conflict(f"{where}.value does not fit the {kind} field "
                                            f"'{name}': {error}.", field="conditions") from None
         checked.append({"field": name, "op": op, "value": str(value)})
     return checked
@@ -3609,6 +3697,25 @@ def _check_segment_definitions(c):
                                 f"its datasources has (renamed or removed?): correct its "
                                 f"conditions with {fix}.")
     return problems, "Every segment uses live datasources and fields that exist."
+
+
+@_verify_check("non_ascii_addresses")
+def _check_non_ascii(c):
+    """A warning, never a failure: whether such an address can be sent
+    depends on the relay (SMTPUTF8), which is known only when sending."""
+    notes = []
+    for segment in c.segments.values():
+        where, params = segment_query(c.conn, segment)
+        count, example = c.conn.execute(
+            f"SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r WHERE {where} "
+            f"AND {c.conn.sql['non_ascii'].format(expr='r.email')}", params).fetchone()
+        if count:
+            notes.append(f"{_label('segment', segment).capitalize()} holds {count} address(es) "
+                         f"with non-ASCII characters (such as {example}).")
+    if not notes:
+        return [], "No segment holds an address with non-ASCII characters."
+    return [], ("Warning: " + " ".join(notes) + " They are sent only when the SMTP relay offers "
+                "SMTPUTF8; otherwise each fails, counted in the batch's failed figure.")
 
 
 @_verify_check("archive_email")
@@ -5283,7 +5390,7 @@ def archive_page(archive_record, title):
     person: the figures, a chart of opens and clicks over time (inline SVG,
     nothing loaded from elsewhere) and the links with their clicks.
 
-    :param archive_record: the record of API.md section 12 (counts as
+    :param archive_record: the archive record (counts as
         strings; ``links`` [{url, clicks, clicked}]; ``timeline`` [{hour,
         opens, clicks}]).  Every value is escaped.
     :param title: the page's heading, plain text.
@@ -6215,7 +6322,9 @@ class Letter:
         """
         values = {name.lower(): str(value) for name, value in (values or {}).items()}
         message_id = message_id or email.utils.make_msgid(domain=self.domain)
-        head = [self.head, _header("To", to_addr), b"Date: ", email.utils.formatdate(usegmt=True).encode(),
+        # A non-ASCII address goes out only over SMTPUTF8, whose headers are UTF-8 (RFC 6532).
+        to = _header("To", to_addr) if to_addr.isascii() else f"To: {to_addr}\r\n".encode()
+        head = [self.head, to, b"Date: ", email.utils.formatdate(usegmt=True).encode(),
                 b"\r\nMessage-ID: ", message_id.encode(), b"\r\n"]
         if self.subject is not None:
             head.append(_header("Subject", self.subject.fill(values)))
@@ -6341,7 +6450,12 @@ def _transact(smtp, sender, recipient, data):
     DATA in one write: two round trips an email instead of four, and a
     sender mostly waits on round trips.
     """
-    commands = (f"MAIL FROM:<{sender}>", f"RCPT TO:<{recipient}>", "DATA")
+    # A non-ASCII address needs SMTPUTF8 (RFC 6531); the caller checked the
+    # server offers it.  smtplib encodes commands with command_encoding.
+    utf8 = not (sender.isascii() and recipient.isascii())
+    smtp.command_encoding = "utf-8" if utf8 else "ascii"
+    commands = (f"MAIL FROM:<{sender}>" + (" SMTPUTF8" if utf8 else ""),
+                f"RCPT TO:<{recipient}>", "DATA")
     expected = ((250,), (250, 251), (354,))
     replies = []
     if smtp.does_esmtp and smtp.has_extn("pipelining"):
@@ -6517,6 +6631,12 @@ class _Courier:
                 self.smtp.close()
             self.smtp = None
 
+    def offers_utf8(self):
+        """Whether the relay takes non-ASCII addresses (SMTPUTF8, RFC 6531)."""
+        if self.smtp is None:
+            self.connect()
+        return self.smtp.has_extn("smtputf8")
+
     def send(self, sender, to_addr, data):
         """None when accepted, else ``(code, reply text)``; _Unreachable when
         the connection is lost."""
@@ -6581,15 +6701,15 @@ class _Courier:
                         error="the recipient unsubscribed, bounced or was removed")
                 continue
             sender, data = built
-            if not (sender.isascii() and row["to_addr"].isascii()):
-                outcome(row, "failed", "failed", attempts, error="non-ASCII addresses need "
-                        "SMTPUTF8, which campaignapi does not send")
-                continue
             run.pace.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
             self.record(results, bounces, attempting=row["id"])
             try:
+                if not (sender.isascii() and row["to_addr"].isascii()) and not self.offers_utf8():
+                    outcome(row, "failed", "failed", attempts, error="the address has non-ASCII "
+                            "characters, and the SMTP relay does not offer SMTPUTF8 to carry them")
+                    continue
                 reply = self.send(sender, row["to_addr"], data)
             except _Unreachable as error:
                 unreachable = str(error)
@@ -7060,7 +7180,7 @@ def _resolve(host, port, deadline):
     if thread.is_alive():
         raise TimeoutError(f"the host {host} did not resolve in time")
     if "error" in answer:
-        raise ValueError(f"The URL's host {host} cannot be resolved ({answer['error']}).")
+        raise UnresolvedHost(f"The URL's host {host} cannot be resolved ({answer['error']}).")
     return answer["infos"]
 
 
@@ -7085,6 +7205,10 @@ def _checked_addresses(host, port, allow_private, deadline):
     return addresses
 
 
+class UnresolvedHost(ValueError):
+    """A webhook URL whose host does not resolve (now: DNS may change)."""
+
+
 def check_webhook_url(url, allow_private=False, timeout=10.0):
     """Check a webhook URL before storing it: http or https, a host, no user
     name or password, and every address the host resolves to public.
@@ -7100,7 +7224,8 @@ def check_webhook_url(url, allow_private=False, timeout=10.0):
     try:
         addresses = _checked_addresses(host, port, allow_private, time.monotonic() + timeout)
     except TimeoutError:
-        raise ValueError(f"The URL's host {host} did not resolve within {timeout:g} seconds.") from None
+        raise UnresolvedHost(f"The URL's host {host} did not resolve within {timeout:g} "
+                             "seconds.") from None
     return [sockaddr[0] for _family, sockaddr in addresses]
 
 
@@ -7715,6 +7840,8 @@ def _webhook_values(call, row):
         try:
             check_webhook_url(call.params["url"], timeout=5.0,
                               allow_private=call.service.config["webhook_allow_private"])
+        except UnresolvedHost as error:   # the request may be right; the DNS says no
+            raise Conflict(str(error), field="url") from None
         except ValueError as error:
             raise InvalidParameter(str(error), field="url") from None
         values["url"] = call.params["url"]
@@ -7875,18 +8002,25 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
 # ---------------------------------------------------------------------------
 
 _STRING_OR_NULL = {"type": ["string", "null"]}
-_FLAG_ANSWER = {"enum": ["0", "1"]}
+_FLAG_ANSWER = {"type": "string", "enum": ["0", "1"]}
 _ID_LIST = {"type": "array", "items": {"type": "string"}}
+_DIGITS = {"type": "string", "pattern": "^[0-9]+$"}
 
 
 def _record_schema(names, /, **special):
-    """A record as the contract answers it: every field of ``names`` present,
+    """A record as the API answers it: every field of ``names`` present,
     each a string or null unless ``special`` gives its schema."""
     names = names.split()
     return {"type": "object", "required": names,
             "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
 
 
+_FIELD_TYPE = {"type": "string", "enum": list(FIELD_TYPES)}
+_CONDITION = {"type": "object", "required": ["field", "op"], "properties": {
+    "field": {"type": "string", "description": "a field name of the segment's datasources"},
+    "op": {"type": "string", "enum": list(SEGMENT_OPS)},
+    "value": {"type": ["string", "null"],
+              "description": "what the field is compared with (null for empty and notempty)"}}}
 _COUNT = {"type": "string", "pattern": "^[0-9]+$"}
 #: The statistics of an archive and a batch archive (_statistics_record()).
 _STATISTICS_SCHEMAS = {
@@ -7899,26 +8033,33 @@ _STATISTICS_SCHEMAS = {
         "properties": {"hour": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2} "
                                                             "[0-9]{2}:00:00$"},
                        "opens": _COUNT, "clicks": _COUNT}}}}
+_BATCH_SCHEMA = _record_schema(
+    "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline "
+    "created finished",
+    status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]},
+    **_STATISTICS_SCHEMAS)
 
-#: The records of the contract (API.md sections 4-7) as JSON schemas, by kind.
+#: The records of the API as JSON schemas, by kind.
 RECORD_SCHEMAS = {
     "datasource": _record_schema(
         "id owner name description origin fields recipients created deleted signup doubleoptin "
         "confirmmessage welcomemessage fromprofile",
-        origin={"enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
+        origin={"type": "string", "enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
         signup=_FLAG_ANSWER, doubleoptin=_FLAG_ANSWER,
-        fields={"type": "array", "items": _record_schema(
-            "id name type", type={"enum": list(FIELD_TYPES)})}),
+        fields={"type": "array", "items": {"$ref": "#/components/schemas/field"}}),
     "recipient": _record_schema(
         "id datasource email fields status created updated",
-        fields={"type": "object", "additionalProperties": _STRING_OR_NULL},
-        status={"enum": list(RECIPIENT_STATUSES)}),
-    "field": _record_schema("id name type", type={"enum": list(FIELD_TYPES)}),
+        fields={"type": "object", "additionalProperties": _STRING_OR_NULL,
+                "description": "field name -> value (as text)"},
+        status={"type": "string", "enum": list(RECIPIENT_STATUSES)}),
+    "field": _record_schema("id name type", id={"type": "string"}, name={"type": "string"},
+                            type=_FIELD_TYPE),
     "import": _record_schema(
         "id datasource name originalfile uploadtype status rows inserted updated skipped "
         "errors created finished",
-        errors={"type": "array", "items": {"type": "object", "properties": {
-            "row": _STRING_OR_NULL, "error": {"type": "string"}}}}),
+        errors={"type": "array", "items": {"type": "object", "required": ["row", "error"],
+                                           "properties": {"row": {"type": "string"},
+                                                          "error": {"type": "string"}}}}),
     "export": _record_schema("id datasource status rows url expires created finished"),
     "organize": _record_schema("id item folder sortorder"),
     "message": _record_schema(
@@ -7926,11 +8067,8 @@ RECORD_SCHEMAS = {
         deleted=_FLAG_ANSWER),
     "segment": _record_schema(
         "id owner name datasources match conditions size created deleted",
-        datasources=_ID_LIST, match={"enum": ["all", "any"]}, deleted=_FLAG_ANSWER,
-        conditions={"type": "array", "items": {"type": "object", "required": ["field", "op"],
-                                               "properties": {"field": {"type": "string"},
-                                                              "op": {"type": "string"},
-                                                              "value": {}}}}),
+        datasources=_ID_LIST, match={"type": "string", "enum": ["all", "any"]},
+        deleted=_FLAG_ANSWER, conditions={"type": "array", "items": _CONDITION}),
     "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
     "template": _record_schema("id owner name html text created deleted", deleted=_FLAG_ANSWER),
     "preview": _record_schema(
@@ -7947,21 +8085,24 @@ RECORD_SCHEMAS = {
         segments={"type": "array", "items": {"type": "object", "properties": {
             "segment": {"type": "string"}, "name": _STRING_OR_NULL,
             "priority": {"type": "string"}, "messages": _ID_LIST,
-            "size": {"type": "string"}, "overlap": {}}}}),
+            "size": {"type": "string"},
+            "overlap": {"type": "array", "items": {"type": "object", "properties": {
+                "segment": {"type": "string"}, "shared": {"type": "string"}}}}}}}),
     "verify": _record_schema(
         "id campaign passed checks verified", passed=_FLAG_ANSWER,
-        checks={"type": "array", "items": {"type": "object", "properties": {
-            "check": {"type": "string"}, "passed": {}, "message": {"type": "string"}}}}),
-    "batcharchive": _record_schema(
-        "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline messages",
-        status={"enum": ["scheduled", "sending", "sent", "cancelled"]}, **_STATISTICS_SCHEMAS,
-        messages={"type": "array", "items": {"type": "object"}}),
+        checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
+    "check": _record_schema("check passed message", check={"type": "string"},
+                            passed=_FLAG_ANSWER, message={"type": "string"}),
+    "batcharchive": {**_BATCH_SCHEMA, "required": [*_BATCH_SCHEMA["required"], "messages"],
+                     "properties": {
+        **_BATCH_SCHEMA["properties"],
+        "messages": {"type": "array", "items": _record_schema("message subject html text")}}},
     "archive": _record_schema("id campaign batches " + " ".join(STATISTICS) + " links timeline",
-                              batches={"type": "array", "items": {"type": "object"}},
+                              batches={"type": "array", "items": _BATCH_SCHEMA},
                               **_STATISTICS_SCHEMAS),
     "webhook": _record_schema(
         "id owner url events enabled lastattempt lasterror failures created deleted",
-        events={"type": "array", "items": {"enum": list(EVENT_KINDS)},
+        events={"type": "array", "items": {"type": "string", "enum": list(EVENT_KINDS)},
                 "description": "the kinds it gets; empty: every kind"},
         enabled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
 }
@@ -7970,7 +8111,7 @@ RECORD_SCHEMAS = {
 ANSWER_ID = {"type": "object", "required": ["id"],
              "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
 #: Success data of a change or a delete.
-ANSWER_DONE = {"const": True}
+ANSWER_DONE = {"type": "boolean", "description": "true: done"}
 #: Success data of a webhook's create: its id and its signing secret, shown once.
 _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
                    "properties": {**ANSWER_ID["properties"],
@@ -7979,7 +8120,7 @@ _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
 
 def records_answer(key, kind):
     """Success data that lists records of ``kind`` under ``key`` for one id as
-    for ``all`` (the spec's ``emt_campaign``); pages add total, limit, offset."""
+    for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
     return {"type": "object", "required": [key], "properties": {
         key: {"type": "array", "items": {"$ref": f"#/components/schemas/{kind}"}},
         **{name: {"type": "string"} for name in ("total", "limit", "offset")}}}
@@ -7987,67 +8128,209 @@ def records_answer(key, kind):
 
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
 
-_QUERY_TYPES = {
-    "int": {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-    "flag": {"enum": ["0", "1", "true", "false"]},
+#: What every parameter name means, for the OpenAPI document: one place, so a
+#: route added to the table is described by the names it uses.  name ->
+#: (description, example[, what the schema of its type needs besides, e.g. a
+#: list's items]).  A name used with two
+#: meanings reads "kind.name" first (the kind: the route's last path word).
+PARAM_DOCS = {
+    "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
+    "offset": ("How many records to skip before the page (default 0).", 0),
+    "id": ("The record's id again, as in the path: a guard against deleting or "
+           "changing the wrong record.", 1),
+    "name": ("A name for people, shown in lists; one line.", "Spring newsletter"),
+    "description": ("Free text about the record.", "Readers who signed up at the shop"),
+    "origin": ("Where the datasource's recipients come from.", "import"),
+    "fields": ("Fields to add, each {name, type}; the email field always exists.",
+               [{"name": "city", "type": "text"}],
+               {"items": {"type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s]"
+                                        "[^{}\\r\\n\\x00]*$", "maxLength": 200},
+                               "type": {**_FIELD_TYPE, "default": "text"}}}}),
+    "status": ("Only recipients with this status.", "active"),
+    "new": ("The field's name after the change (may be its current name).", "town"),
+    "type": ("The field's type after the change; stored values are converted, and "
+             "the change is refused (422) when one does not convert.", "text"),
+    "originalfile": ("The uploaded file's name, for people.", "people.csv"),
+    "__uploadtype__": ("How __uploaddata__ is sent: csv (the CSV text), base64 (the CSV "
+                       "file's bytes in base64) or json (an array of objects).", "csv"),
+    "__uploaddata__": ("The upload: CSV text with a header row naming an email column "
+                       "(email, e-mail or emailaddress); its base64; or an array of objects.",
+                       "email,city\nann@example.com,Oslo\n"),
+    "item": ("The id of the record to place in a folder.", 1),
+    "folder": ("The folder's name.", "Customers"),
+    "sortorder": ("The position within the folder.", 1),
+    "subject": ("The email's subject line; may hold merge tags such as {{city}}.",
+                "News for {{city}}"),
+    "fromname": ("The sender's name shown to recipients.", "Example Shop"),
+    "fromaddress": ("The sender's address ('' for none).", "news@example.com"),
+    "replyto": ("Where replies go ('' for none).", "help@example.com"),
+    "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
+             "<p>Hello from {{city}}</p>"),
+    "text": ("The plain-text body; merge tags {{field}} are filled per recipient.",
+             "Hello from {{city}}"),
+    "datasources": ("The ids of the datasources whose recipients the segment selects.",
+                    [1], {"items": {"anyOf": [
+                        {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                        {"type": "string", "pattern": "^[0-9]{1,18}$"}]}}),
+    "match": ("all: a recipient must meet every condition; any: at least one.", "all"),
+    "conditions": ("Conditions on field values; none selects every active recipient.",
+                   [{"field": "city", "op": "eq", "value": "Oslo"}],
+                   {"items": {"anyOf": [
+                       {"type": "object", "required": ["field", "op", "value"],
+                        "additionalProperties": False, "properties": {
+                            "field": {"type": "string", "pattern": "\\S"},
+                            "op": {"type": "string", "enum": [
+                                op for op in SEGMENT_OPS if op not in ("empty", "notempty")]},
+                            "value": {"anyOf": [{"type": "string", "pattern":
+                                                 "^[^\\r\\n\\x00]*\\S[^\\r\\n\\x00]*$"},
+                                                {"type": "number"}, {"type": "boolean"}]}}},
+                       {"type": "object", "required": ["field", "op"],
+                        "additionalProperties": False, "properties": {
+                            "field": {"type": "string", "pattern": "\\S"},
+                            "op": {"type": "string", "enum": ["empty", "notempty"]},
+                            "value": {"description": "ignored"}}}]}}),
+    "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
+    "enabled": ("1 when the campaign may send.", "1"),
+    "scheduled": ("Only 0: cancels the planned send (a campaign is scheduled by sending it).",
+                  "0", {"anyOf": [{"type": "string", "enum": ["0", "false"]},
+                                  {"type": "integer", "enum": [0]},
+                                  {"type": "boolean", "enum": [False]}]}),
+    "archiveemail": ("An address that gets a copy of every batch ('' for none).",
+                     "archive@example.com"),
+    "defaulttemplate": ("The template the campaign's messages are wrapped in: '' (none), a "
+                        "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
+                        "the server's templates folder.", "",
+                        {"pattern": "^(?!.*[.][.])[^/\\\\\\x00-\\x1f\\x7f]*$"}),
+    "template.html": ("The template's HTML, holding {{content}} once, where the message goes; "
+                      "'' for none.", "<html><body>{{content}}</body></html>",
+                      {"allOf": [{"pattern": '^$|^(?![\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\})[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*$'}]}),
+    "template.text": ("The template's plain text, holding {{content}} once, where the message "
+                      "goes; '' for none.", "{{content}}\n-- \nExample Shop",
+                      {"allOf": [{"pattern": '^$|^(?![\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\})[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*$'}]}),
+    "thumbnail": ("A URL of a picture of the campaign, for people.",
+                  "https://example.com/thumb.png"),
+    "segment": ("The id of the segment that gets the message.", 1),
+    "message": ("The id of the message to send.", 1),
+    "priority": ("Lower goes first: an address in two segments of the campaign gets only "
+                 "the message of the segment with the lower priority.", 1),
+    "segmentmessageid": ("The campaign message's id again, as in the path.", 1),
+    "segmentmessagehack": ("The campaign message's id again, as in the path.", 1),
+    "timestamp": ("When to send: Unix seconds or an RFC 3339 date-time (a time in the past "
+                  "means now); 'YYYY-MM-DD HH:MM:SS' is taken as UTC.", 0),
+    "test": ("A test send instead of a batch: 1 to 10 addresses that each get every campaign "
+             "message now, subject prefixed [Test], rendered for the segment's first recipient.",
+             ["me@example.com"], {"items": {"type": "string", "format": "email"},
+                                  "minItems": 1, "maxItems": 10}),
+    "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
+                 "0"),
+    "recipient": ("The recipient the preview is for: an id or an address of the segment "
+                  "(default: its first recipient).", "ann@example.com"),
+    "signup": ("1: the datasource takes public sign-ups (needs a fromprofile).", "0"),
+    "doubleoptin": ("1: a sign-up stays unconfirmed until the link in its confirmation email "
+                    "is followed (the default).", "1"),
+    "confirmmessage": ("The message of the confirmation email; it must carry {{confirm_url}}. "
+                       "Empty: a built-in plain email.", ""),
+    "welcomemessage": ("The message sent once a sign-up is active. Empty: none.", ""),
+    "fromprofile": ("The sender profile that confirmation and welcome emails go out as.", 1),
+    "recipient.fields": ("The recipient's values by field name (fields the datasource has), "
+                         "each typed by its field's type.", {"city": "Oslo"}),
+    "recipient.status": ("A recipient's status. On a listing: only recipients with it. On "
+                         "create: active or unconfirmed. On change: unsubscribed (never back "
+                         "to active once unsubscribed, bounced or complained).", "active"),
+    "recipient.email": ("An address. On a listing: only the recipient with it (without case). "
+                        "On create and change: the recipient's address.", "ann@example.com"),
+    "url": ("Where events are POSTed (http or https; private and loopback addresses are "
+            "refused unless the setting webhook_allow_private allows them; a host that does "
+            "not resolve is 409).", "https://hooks.example.com/campaigns",
+            {"format": "uri", "pattern": "^[hH][tT][tT][pP][sS]?://[^/?#@\\s]+([/?#][^\\s]*)?$"}),
+    "events": ("The event kinds the webhook gets; empty: every kind.",
+               ["recipient.unsubscribed"], {"items": {"type": "string",
+                                                      "enum": list(EVENT_KINDS)}}),
+    "webhook.enabled": ("1: events are sent; 0: they wait (paused).", "1"),
+    "bounce.email": ("The address that bounced or complained.", "ann@example.com",
+                     {"not": {"pattern": "^\\s*$"}}),
+    "bounce.type": ("hard (the address does not exist), soft (a temporary failure; the third "
+                    "in a row counts as hard) or complaint (marked as spam).", "hard"),
+    "bounce.campaign": ("The campaign that mailed the address, when known.", 1),
+    "bounce.reason": ("Why, in words (kept in the log only).", "550 5.1.1 no such user"),
 }
 
-_BODY_TYPES = {
-    "str": {"type": "string", "pattern": "^[^\\r\\n\\x00]*$", "description": "one line"},
-    "text": {"type": "string", "pattern": "^[^\\x00]*$"},
-    "int": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                      {"type": "string", "pattern": "^[0-9]{1,19}$"}]},
-    "flag": {"enum": ["0", "1", 0, 1, True, False, "true", "false"]},
-    "email": {"anyOf": [{"const": ""}, {"type": "string", "format": "email"}],
-              "description": "an email address, or '' for none"},
-    "list": {"type": "array"},
-    "object": {"type": "object"},
-    "ref": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                      {"type": "string", "pattern": "^[0-9]{0,19}$"}, {"type": "null"}],
-            "description": "an id, or '', null or 0 for none"},
-    "scalar": {"type": ["string", "number"]},
-    "data": {"type": ["string", "array", "object"], "description": "the upload: CSV text, base64, or "
-             "(for json uploads) an array of objects"},
+
+def _param_doc(route, name):
+    """(description, example, extra schema) of a parameter of ``route``."""
+    kind = [word for word in route.path.split("/") if word and "{" not in word][-1]
+    doc = PARAM_DOCS.get(f"{kind}.{name}") or PARAM_DOCS.get(name)
+    if doc is None:     # tests/test_openapi.py asks for one; the document still serves
+        return "", None, {}
+    description, example, *extra = doc
+    return description, example, (extra or [{}])[0]
+
+
+_INTEGER = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
+_FLAG_WORDS = ["0", "1", "true", "false"]
+# An address as the server takes it (_check_email): surrounding blanks are
+# trimmed, and blank means none.
+_EMAIL_PATTERN = (r"^[^\S\r\n]*(?:(?=[^@]{1,64}@)(?=[^\s]{1,254}[^\S\r\n]*$)"
+                  + _EMAIL_ATOM + r"(?:\." + _EMAIL_ATOM + r")*@"
+                  + _EMAIL_LABEL + r"(?:\." + _EMAIL_LABEL + r")+)?[^\S\r\n]*$")
+
+#: The schema of each parameter type: (in the query string, in a JSON body).
+_PARAM_SCHEMAS = {
+    "str": ({"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},) * 2,
+    "text": ({"type": "string", "pattern": "^[^\\x00]*$"},) * 2,
+    "int": (_INTEGER, {"anyOf": [_INTEGER, {"type": "string", "pattern": "^[0-9]{1,18}$"}]}),
+    "limit": ({"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+              {"anyOf": [{"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+                         {"type": "string", "pattern": "^0*([1-9][0-9]{0,2}|1000)$"}]}),
+    "flag": ({"type": "string", "enum": _FLAG_WORDS},
+             {"anyOf": [{"type": "boolean"}, {"type": "string", "enum": _FLAG_WORDS},
+                        {"type": "integer", "enum": [0, 1]}]}),
+    "email": ({"type": "string", "pattern": _EMAIL_PATTERN},) * 2,
+    "list": ({"type": "array"},) * 2,
+    "data": ({"type": "string"}, {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object", "additionalProperties": True}}]}),
+    "scalar": ({"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},
+               {"anyOf": [{"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},
+                          {"type": "number"}]}),
+    "object": ({"type": "string"}, {"type": "object"}),
+    "ref": ({"type": "string", "pattern": "^[0-9]{0,18}$"},
+            {"anyOf": [_INTEGER, {"type": "string", "pattern": "^[0-9]{0,18}$"},
+                       {"type": "null"}], "description": "an id, or '', null or 0 for none"}),
+    "time": ({"type": "string"}, {"anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 253402300799},
+        {"type": "string", "pattern": "^[0-9]{1,11}$"},
+        {"type": "string", "format": "date-time"}]}),
 }
 
 
-#: Bounds of the page parameters that every listing shares (_page()).
-_PAGE_BOUNDS = {"limit": {"minimum": 1, "maximum": PAGE_MAX, "default": PAGE_DEFAULT},
-                "offset": {"minimum": 0, "default": 0}}
-
-
-def _param_schema(param, in_query=False):
+def _param_schema(route, param, in_query):
+    description, example, extra = _param_doc(route, param.name)
     if param.choices is not None:
-        return {"type": "string", "enum": list(param.choices)}
-    if in_query and param.type in _QUERY_TYPES:
-        schema = dict(_QUERY_TYPES[param.type])
+        schema = {"type": "string", "enum": list(param.choices)}
     else:
-        schema = dict(_BODY_TYPES.get(param.type, {}))
-    if param.type == "int" and param.name in _PAGE_BOUNDS:
-        if "oneOf" in schema:
-            schema = {"oneOf": [{**schema["oneOf"][0], **_PAGE_BOUNDS[param.name]},
-                                schema["oneOf"][1]]}
-        else:
-            schema.update(_PAGE_BOUNDS[param.name])
-    return schema
+        schema = dict(_PARAM_SCHEMAS[param.type][0 if in_query else 1])
+    return {**schema, **extra, **({"description": description} if description else {})}, example
 
 
 def _id_parameter(name, allowed):
     """A path placeholder as an OpenAPI parameter: what its segment accepts."""
     if "name" in allowed:
-        schema, text = {"type": "string", "minLength": 1}, "an id or a name"
+        schema, text, example = {"type": "string", "minLength": 1}, "an id or a name", "city"
     else:
         words = [word for word in allowed if word != "int"]
-        choices = (["[0-9]{1,19}"] if "int" in allowed else []) + [re.escape(w) for w in words]
+        choices = (["[0-9]{1,18}"] if "int" in allowed else []) + [re.escape(w) for w in words]
         schema = {"type": "string", "pattern": "^(" + "|".join(choices) + ")$"}
-        text = " or ".join((["an integer id"] if "int" in allowed else [])
-                           + [f"'{word}'" for word in words])
+        text = " or ".join((["an integer id (0 on create: the next free id)"]
+                            if "int" in allowed else []) + [f"'{word}'" for word in words])
+        example = "1" if "int" in allowed else words[0]
     return {"name": name, "in": "path", "required": True, "schema": schema,
-            "description": text}
+            "description": text, "example": example}
 
 
 def _error_codes():
-    """``{status: [codes]}`` of every ApiError class: the contract's section 2."""
+    """``{status: [codes]}`` of every ApiError class."""
     codes, classes = {}, [ApiError]
     while classes:
         cls = classes.pop()
@@ -8063,7 +8346,7 @@ def _route_statuses(route):
         statuses |= {401, 403}
     if route.ids:
         statuses.add(404)
-    if route.writes:
+    if route.writes or route.changes:
         statuses |= {409, 422}
     if route.handler is _signup_post:
         statuses.add(429)           # the sign-ups of one client a minute
@@ -8082,7 +8365,8 @@ def _success_data(route):
     # (campaign messages answer under "message").
     key, answers = answers if isinstance(answers, tuple) else (answers, answers)
     if answers not in RECORD_SCHEMAS:
-        return {"description": "See the contract for this operation."}
+        # tests/test_openapi.py asks every route of ROUTES to say (answers=).
+        return {"description": "Not described yet."}
     record = {"$ref": f"#/components/schemas/{answers}"}
     one = {"type": "object", "required": [key], "properties": {key: record}}
     if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
@@ -8094,59 +8378,94 @@ def _success_data(route):
 
 def _envelope_schema(success, data):
     return {"type": "object", "required": ["responseId", "version", "success", "data"],
-            "properties": {"responseId": {"type": "string"}, "version": {"const": 1},
-                           "success": {"const": success}, "data": data}}
+            "properties": {"responseId": {"type": "string"},
+                           "version": {"type": "integer", "enum": [1]},
+                           "success": {"type": "boolean", "enum": [success]}, "data": data}}
 
 
 def _operation(route):
     levels = f"an API key with the '{route.level}' level" if route.level else "no API key"
     literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
+    verb = _OPENAPI_VERBS.get(route.method, route.method)
+    in_query = route.method in ("GET", "DELETE")
+    notes = [f"Needs {levels}."]
+    if route.changes and route.method == "GET":
+        notes.append("This GET changes data (as the original service did): do not prefetch it.")
+    parameters = [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
+    body, example = {}, {}
+    for param in route.params.values():
+        schema, example[param.name] = _param_schema(route, param, in_query)
+        if in_query:
+            parameters.append({"name": param.name, "in": "query", "required": param.required,
+                               "schema": schema, **({"example": example[param.name]}
+                                                    if example[param.name] is not None else {})})
+        else:
+            body[param.name] = schema
     operation = {
-        "operationId": route.method.lower() + re.sub(r"\W+", "_", route.path).rstrip("_"),
-        "summary": route.summary or f"{_OPENAPI_VERBS.get(route.method, route.method)} "
-                                    f"{' '.join(literal)}",
-        "tags": literal[:1],
-        "description": f"Needs {levels}. Parameters may come in the query string or in a "
-                       "JSON object body (body keys win); unknown ones are refused.",
+        "operationId": re.sub(r"\W+", "_", "_".join([verb, *(literal or ["index"])])).lower(),
+        "summary": route.summary or f"{verb} {' '.join(literal)}",
+        "tags": literal[:1] or ["index"],
+        "description": " ".join(notes),
         "x-access-level": route.level,
+        "x-changes-data": route.changes,
         "security": [{"bearer": []}] if route.level else [],
-        "parameters": [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
-        + [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p, True)}
-           for p in route.params.values() if p.type not in ("list", "object")],
+        "parameters": parameters,
     }
-    if route.body:
+    if route.body:   # a route that reads its own body describes it
         operation["requestBody"] = route.body
-    elif route.params:
+    elif body:
         required = [p.name for p in route.params.values() if p.required]
-        body = {"type": "object", "additionalProperties": False,
-                "properties": {p.name: _param_schema(p) for p in route.params.values()}}
+        schema = {"type": "object", "additionalProperties": False, "properties": body,
+                  **route.body_rules}
         if required:
-            body["required"] = required
+            schema["required"] = required
         operation["requestBody"] = {
-            "required": bool(required),
-            "description": "Parameters may come in the query string instead.",
-            "content": {"application/json": {"schema": body}}}
+            "required": bool(required or route.body_rules),
+            "content": {"application/json": {"schema": schema, "example": example}}}
     if route.body and not route.params:
-        operation["description"] = (f"Needs {levels}. The values come in the body only, as "
-                                    "the request body describes; unknown ones are refused.")
+        operation["description"] += (" The values come in the body only, as the request "
+                                     "body describes; unknown ones are refused.")
     elif not route.reads_body and not route.params:
-        operation["description"] = (f"Needs {levels}. Opened from a link: it takes no "
-                                    "parameters and ignores the query string.")
+        operation["description"] += (" Opened from a link: it takes no parameters and "
+                                     "ignores the query string.")
     answered = "200"
     if isinstance(route.answers, dict) and ("content" in route.answers
                                             or "status" in route.answers):
         success = {name: value for name, value in route.answers.items() if name != "status"}
         answered = str(route.answers.get("status", 200))
     else:
-        success = {"description": "Success: the envelope with the operation's data (a "
-                                  "browser gets it as an HTML page).",
+        success = {"description": "Success: the envelope with the operation's data.",
                    "content": {"application/json": {"schema": _envelope_schema(
-                       True, _success_data(route))}, "text/html": {"schema": {"type": "string"}}}}
-    operation["responses"] = {
-        answered: success,
-        **{str(status): {"$ref": f"#/components/responses/{status}"}
-           for status in _route_statuses(route)}}
+                       True, _success_data(route))}}}
+    errors = {str(status): {"$ref": f"#/components/responses/{status}"}
+              for status in _route_statuses(route)}
+    if route.pages:   # a person gets a page, a JSON client the envelope
+        success = {**success, "content": {**success.get("content", {}), **_PAGE_CONTENT}} \
+            if "content" in success else success
+        errors = {status: {"description": f"{bottle.HTTP_CODES.get(int(status), 'Error')}: "
+                           "a page saying what is wrong (the envelope for a JSON client).",
+                           "content": {**_PAGE_CONTENT, "application/json": {"schema": {
+                               "$ref": f"#/components/schemas/error{status}"}}}}
+                  for status in errors}
+    operation["responses"] = {answered: success, **errors}
     return operation
+
+
+_PAGE_CONTENT = {"text/html": {"schema": {"type": "string"}}}
+
+
+#: The data of every error: a code, a sentence, and where it helps more.
+ERROR_SCHEMA = {"type": "object", "required": ["error", "message"], "properties": {
+    "error": {"type": "string", "description": "the error code"},
+    "message": {"type": "string", "description": "one sentence a person can act on"},
+    "field": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+              "description": "the parameter (or the parameters) at fault"},
+    "allowed": {"type": "array", "items": {"type": "string"},
+                "description": "the values or parameters allowed"},
+    "checks": {"type": "array", "items": {"$ref": "#/components/schemas/check"},
+               "description": "verify's checks, on verification_failed"},
+    "rows": {"type": "array", "items": {"type": "object", "additionalProperties": True},
+             "description": "the first rows that fail, on invalid_data"}}}
 
 
 def openapi_document(routes=None, base_url=None):
@@ -8164,37 +8483,25 @@ def openapi_document(routes=None, base_url=None):
     for route in routes:
         path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
         paths.setdefault(path, {})[route.method.lower()] = _operation(route)
-    error_data = {"type": "object", "required": ["error", "message"], "properties": {
-        "error": {"type": "string"}, "message": {"type": "string"},
-        "field": {"description": "the parameter (or list of them) at fault"},
-        "allowed": {"type": "array", "description": "the values or parameters allowed"},
-        "checks": {"type": "array", "items": {"type": "object"},
-                   "description": "verify's checks, on verification_failed"},
-        "rows": {"type": "array", "items": {"type": "object"},
-                 "description": "the first rows that fail, on invalid_data"}}}
-    responses = {}
+    responses, errors = {}, {}
     for status, codes in _error_codes().items():
-        data = {"allOf": [{"$ref": "#/components/schemas/error"},
-                          {"properties": {"error": {"enum": codes}}}]}
+        name = f"error{status}"
+        errors[name] = _envelope_schema(False, {**ERROR_SCHEMA, "properties": {
+            **ERROR_SCHEMA["properties"], "error": {"type": "string", "enum": codes}}})
         responses[str(status)] = {
             "description": f"{bottle.HTTP_CODES.get(status, 'Error')}: {', '.join(codes)}.",
-            "content": {"application/json": {"schema": _envelope_schema(False, data)},
-                        "text/html": {"schema": {"type": "string"}}}}
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
     responses["401"]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
     responses["405"]["headers"] = {"Allow": {"schema": {"type": "string"}}}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "campaignapi", "version": __version__,
-                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " Every answer "
-                 "is the envelope {responseId, version, success, data}; errors carry "
-                 "{error, message} in data and a real HTTP status. A method that a path "
-                 "lacks answers 405 method_not_allowed with an Allow header."},
+                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " " + OPENAPI_RULES},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "An API key's secret."}},
-            "schemas": {"error": error_data, "envelope": _envelope_schema(True, {}),
-                        **RECORD_SCHEMAS},
+            "schemas": {"error": ERROR_SCHEMA, **errors, **RECORD_SCHEMAS},
             "responses": responses,
         },
         "security": [{"bearer": []}],
@@ -8202,6 +8509,21 @@ def openapi_document(routes=None, base_url=None):
     if base_url is not None:
         document["servers"] = [{"url": base_url or "/"}]
     return document
+
+
+#: The rules every operation shares, at the head of the document.
+OPENAPI_RULES = (
+    "Every answer is the envelope {responseId, version, success, data}; the same responseId "
+    "is the X-Response-Id header. An error has success false, a real HTTP status, and data "
+    "{error, message} with field, allowed, checks or rows where they help. Parameters: GET "
+    "and DELETE take them in the query string, PUT and POST in a JSON object body "
+    "(Content-Type: application/json); either place is accepted on every method (the body "
+    "wins; each value given is checked). Unknown parameters are refused. A number or id may "
+    "be a JSON number or a string of digits, a flag 0/1, '0'/'1', 'true'/'false' or a JSON "
+    "boolean. Records answer every value as a string (or null). Ids are integers; create "
+    "with PUT at id 0 for the next free id, or at a free id of your choice (a safe retry). "
+    "A method that a path lacks answers 405 with an Allow header. A browser (Accept "
+    "preferring text/html) gets the envelope in a small HTML page.")
 
 
 def _openapi_get(call):
@@ -8215,15 +8537,23 @@ def _openapi_get(call):
 
 
 _OPENAPI_ANSWER = {"description": "The OpenAPI 3.1 document of this API (no envelope).",
-                   "content": {"application/json": {"schema": {"type": "object"}}}}
-#: A page a person reads (sign-up form, confirm page); errors are pages too.
-_PAGE_ANSWER = {"description": "An HTML page.",
+                   "content": {"application/json": {"schema": {
+                       "type": "object", "additionalProperties": True}}}}
+_FIELD_ANSWER = {"type": "object", "required": ["field"],
+                 "properties": {"field": {"$ref": "#/components/schemas/field"}}}
+#: An upload is text unless its type is json.
+_TEXT_UNLESS_JSON = {
+    "if": {"properties": {"__uploadtype__": {"enum": ["csv", "base64"]}}},
+    "then": {"properties": {"__uploaddata__": {"type": "string"}}}}
+#: A page a person reads (sign-up form, confirm page, unsubscribe); errors are pages too.
+_PAGE_ANSWER = {"description": "An HTML page for the recipient.",
                 "content": {"text/html": {"schema": {"type": "string"}}}}
 #: A sign-up's answer: the same for every address (it reveals no one).
 _SIGNUP_ANSWER = {"type": "object", "required": ["status"],
-                  "properties": {"status": {"enum": ["pending", "subscribed"]}}}
+                  "properties": {"status": {"type": "string", "enum": ["pending", "subscribed"]}}}
 _SIGNUP_BODY = {"type": "object", "required": ["email"],
-                "properties": {"email": {"type": "string", "format": "email"},
+                "properties": {"email": {"type": "string", "format": "email",
+                                         "description": "The address that signs up."},
                                HONEYPOT: {"type": "string", "maxLength": 0,
                                           "description": "the honeypot: leave it empty"}},
                 "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
@@ -8231,9 +8561,29 @@ _SIGNUP_BODY = {"type": "object", "required": ["email"],
                                "are refused."}
 #: Bodies of the routes that read their own (the pipeline's are made from
 #: the route's parameters).
+_SIGNUP_EXAMPLE = {"email": "ann@example.com", HONEYPOT: ""}
 _SIGNUP_REQUEST = {"required": True, "content": {
-    "application/x-www-form-urlencoded": {"schema": _SIGNUP_BODY},
-    "application/json": {"schema": _SIGNUP_BODY}}}
+    "application/x-www-form-urlencoded": {"schema": _SIGNUP_BODY, "example": _SIGNUP_EXAMPLE},
+    "application/json": {"schema": _SIGNUP_BODY, "example": _SIGNUP_EXAMPLE}}}
+
+
+def _index(call):
+    """What this API is and where to start: the version and the main links,
+    as references relative to the index's own URL (``/v1/``), so they hold
+    under any mount prefix or proxy."""
+    return {"name": "campaignapi", "version": __version__, "openapi": "openapi.json",
+            "collections": {kind: f"{kind}/all" for kind in INDEX_COLLECTIONS}}
+
+
+INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
+_INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
+                 "properties": {
+                     "name": {"type": "string"}, "version": {"type": "string"},
+                     "openapi": {"type": "string", "format": "uri-reference"},
+                     "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
+                                     "properties": {kind: {"type": "string", "format":
+                                                           "uri-reference"}
+                                                    for kind in INDEX_COLLECTIONS}}}}
 
 
 # ---------------------------------------------------------------------------
@@ -8249,15 +8599,12 @@ _BOUNCE_ANSWER = {"type": "object", "required": ["bounce"], "properties": {"boun
 _RECEIVED_ANSWER = {"type": "object", "required": ["received"],
                     "properties": {"received": {"type": "string", "pattern": "^[0-9]+$"}}}
 _RAW_MESSAGE = {"schema": {"type": "string", "format": "binary"}}
+#: A raw bounce or feedback email, or the JSON form (described as the
+#: pipeline describes any route's parameters).
 _BOUNCE_REQUEST = {"required": True, "description": "A whole bounce or feedback email, or the "
                    "parameters as JSON (they may come in the query string instead).",
-                   "content": {"message/rfc822": _RAW_MESSAGE, "application/json": {"schema": {
-                       "type": "object", "additionalProperties": False,
-                       "required": ["email", "type"],
-                       "properties": {"email": {"type": "string", "format": "email"},
-                                      "type": {"enum": ["hard", "soft", "complaint"]},
-                                      "campaign": _BODY_TYPES["int"],
-                                      "reason": _BODY_TYPES["text"]}}}}}
+                   "content": {"message/rfc822": _RAW_MESSAGE, "application/json": _operation(
+                       _BOUNCE_JSON)["requestBody"]["content"]["application/json"]}}
 
 
 def _provider_route(name, handler, summary, what):
@@ -8265,7 +8612,10 @@ def _provider_route(name, handler, summary, what):
     return Route("POST", f"/bounce/{name}", None, handler, reads_body=False, writes=False,
                  summary=summary, answers=_RECEIVED_ANSWER, errors=(401, 404), body={
                      "required": True, "description": what, "content": {"application/json": {
-                         "schema": {"type": ["object", "array"]}}}})
+                         "schema": {"oneOf": [
+                             {"type": "object", "additionalProperties": True},
+                             {"type": "array", "items": {"type": "object",
+                                                         "additionalProperties": True}}]}}}})
 
 
 #: Every route of the API, one line each: (method, path, level, handler[, parameters]).
@@ -8285,14 +8635,17 @@ ROUTES = [
     Route("DELETE", "/datasource/{parent_id}/recipient/{child_id}", "delete", RECIPIENT.delete,
           summary="Delete (erase) recipient"),
     Route("GET",    "/datasource/{parent_id}/modify/{child_id:name}", "write", _field_modify,
-          "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True),
+          "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True,
+          summary="Rename or retype a field", answers=_FIELD_ANSWER),
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
-          "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!"),
+          "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",
+          summary="Import recipients", answers=ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
     Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
     Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
     # Not one transaction: _run_export() commits its record around the file.
-    Route("GET",    "/datasource/{parent_id}/export/{child_id}", "read", _export_get, ""),
+    Route("GET",    "/datasource/{parent_id}/export/{child_id}", "read", _export_get, "",
+          changes=True, summary="Export recipients (0: a new export) or get an export"),
     Route("GET",    "/datasource/{parent_id}/organize/{child_id:int|all}", "read", ORGANIZE.get),
     Route("PUT",    "/datasource/{parent_id}/organize/{child_id}", "create", ORGANIZE.create),
     Route("POST",   "/datasource/{parent_id}/organize/{child_id}", "write", ORGANIZE.change),
@@ -8311,7 +8664,9 @@ ROUTES = [
     Route("POST",   "/accountprofile/{id}", "write",  ACCOUNTPROFILE.change),
     Route("DELETE", "/accountprofile/{id}", "delete", ACCOUNTPROFILE.delete),
     Route("GET",    "/template/{id:int|all}", "read", TEMPLATE.get),
-    Route("PUT",    "/template/{id}", "create", TEMPLATE.create),
+    Route("PUT",    "/template/{id}", "create", TEMPLATE.create,
+          body_rules={"anyOf": [{"required": ["html"], "properties": {"html": {"minLength": 1}}},
+                                {"required": ["text"], "properties": {"text": {"minLength": 1}}}]}),
     Route("POST",   "/template/{id}", "write",  TEMPLATE.change),
     Route("DELETE", "/template/{id}", "delete", TEMPLATE.delete),
 
@@ -8329,10 +8684,11 @@ ROUTES = [
     Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
     Route("GET",    "/campaign/{parent_id}/preview/{child_id}", "read", _campaign_preview,
           "recipient:scalar", summary="Preview a campaign message as a recipient gets it",
-          answers="preview"),
+          answers="preview", errors=(409,)),   # 409: no recipient, or an unusable template
     # timestamp is required unless test is given (a test send goes now).
     Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
-          "timestamp:scalar test:list", summary="Send campaign (or a test send)"),
+          "timestamp:time test:list", summary="Send the campaign (a new batch), or a test send",
+          answers=ANSWER_ID),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
@@ -8343,20 +8699,24 @@ ROUTES = [
     Route("POST",   "/webhook/{id}", "write",  WEBHOOK.change),
     Route("DELETE", "/webhook/{id}", "delete", WEBHOOK.delete),
 
-    # Public routes (no key): the OpenAPI document, downloads, unsubscribe
+    # Public routes (no key): the index, the OpenAPI document, downloads, unsubscribe
+    Route("GET",    "/", None, _index, "", summary="The index of this API",
+          answers=_INDEX_ANSWER),
     Route("GET",    "/openapi.json", None, _openapi_get,
           summary="The OpenAPI document of this API", answers=_OPENAPI_ANSWER),
     Route("GET",    "/download/{token:name}", None, _download,
           summary="Download an export's CSV (the link from the export record)",
           answers={"description": "The export as a CSV attachment.",
                    "content": {"text/csv": {"schema": {"type": "string"}}}}),
-    Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False),
-    Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False),
+    Route("GET",    "/unsubscribe/{token:name}", None, _unsubscribe_page, reads_body=False, pages=True,
+          summary="The unsubscribe page of a recipient's link", answers=_PAGE_ANSWER),
+    Route("POST",   "/unsubscribe/{token:name}", None, _unsubscribe_post, reads_body=False, pages=True,
+          summary="Unsubscribe (the page's button, or RFC 8058 one-click)", answers=_PAGE_ANSWER),
     Route("GET",    "/open/{token:name}", None, _open, reads_body=False,
           summary="The open image of a tracked email (the same GIF for every token)",
           answers={"description": "A transparent 1x1 GIF, not cached.",
                    "content": {"image/gif": {"schema": {"type": "string"}}}}),
-    Route("GET",    "/click/{token:name}", None, _click, reads_body=False,
+    Route("GET",    "/click/{token:name}", None, _click, reads_body=False, pages=True,
           summary="A tracked link of an email: redirects to the link's URL",
           answers={"status": 302, "description": "To the URL stored for the link.",
                    "headers": {"Location": {"schema": {"type": "string"}}}}),
@@ -8373,18 +8733,18 @@ ROUTES = [
                     "A Postmark webhook call (basic auth)."),
     _provider_route("sendgrid", _bounce_sendgrid, "SendGrid bounces and spam reports",
                     "SendGrid's signed event webhook call."),
-    Route("GET",    "/subscribe/{id:name}", None, _signup_form, reads_body=False,
+    Route("GET",    "/subscribe/{id:name}", None, _signup_form, reads_body=False, pages=True,
           summary="The sign-up form of a datasource (an HTML page)", answers=_PAGE_ANSWER),
-    Route("POST",   "/subscribe/{id:name}", None, _signup_post, reads_body=False,
+    Route("POST",   "/subscribe/{id:name}", None, _signup_post, reads_body=False, pages=True,
           summary="Sign up to a datasource (a form post or JSON)", answers=_SIGNUP_ANSWER,
           body=_SIGNUP_REQUEST),
     Route("OPTIONS", "/subscribe/{id:name}", None, _subscribe_options, reads_body=False,
           writes=False, summary="CORS preflight of a cross-origin sign-up",
           answers={"description": "An empty answer with the CORS headers.", "content": {}}),
-    Route("GET",    "/confirm/{token:name}", None, _confirm_page, reads_body=False,
+    Route("GET",    "/confirm/{token:name}", None, _confirm_page, reads_body=False, pages=True,
           summary="The page of a confirmation link, with its confirm button",
           answers=_PAGE_ANSWER),
-    Route("POST",   "/confirm/{token:name}", None, _confirm_post, reads_body=False,
+    Route("POST",   "/confirm/{token:name}", None, _confirm_post, reads_body=False, pages=True,
           summary="Confirm a sign-up (the page's button)", answers=_PAGE_ANSWER),
 ]
 
@@ -8433,6 +8793,9 @@ def create_app(db="campaignapi.db", **config):
         app.route(route.rule, route.method,
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
+    # The root sends people and tools to the index.
+    app.route("/", "GET", callback=lambda: bottle.HTTPResponse(status=302, headers={
+        "Location": urllib.parse.urljoin(bottle.request.url, "v1/")}), name="root")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")

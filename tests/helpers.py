@@ -96,7 +96,7 @@ def http(url, method="GET", body=None, headers=None, timeout=30):
 # --- answers ---------------------------------------------------------------------------------
 
 def assert_envelope(response, success, status):
-    """The response is the contract's envelope with this status; its data.
+    """The response is the API's envelope with this status; its data.
 
     :param response: a WebTest response
     :param success: the envelope's expected ``success``

@@ -102,8 +102,9 @@ def test_insufficient_access_names_the_level(client, make_key):
     assert "'create'" in response.json["data"]["message"]
 
 
-# The spec's tables, as the contract reads them (section 3: Change and Delete
-# campaign message need write).  A spec route not in the table yet is checked once it is.
+# The level of each operation of the original service, as the README's route table has
+# them (Change and Delete campaign message need write).  A route not in the table yet is
+# checked once it is.
 SPEC_LEVELS = {
     ("GET", "/datasource/{id}"): "read", ("POST", "/datasource/{id}"): "write",
     ("PUT", "/datasource/{id}"): "create", ("DELETE", "/datasource/{id}"): "delete",

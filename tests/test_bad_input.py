@@ -1,4 +1,4 @@
-"""Bad input: hostile and broken input gets a clear 4xx with the contract's
+"""Bad input: hostile and broken input gets a clear 4xx with the API's
 code, never a 500 -- wrong types for every parameter of every route, huge
 and deeply nested JSON, invalid UTF-8, NUL bytes, line breaks in header
 values, ids past 2^63, negative paging."""
@@ -23,6 +23,7 @@ WRONG = {
     "str": [5, ["x"], {"a": 1}, None, "two\nlines", "nul\x00"],
     "text": [5, ["x"], {"a": 1}, None, "nul\x00"],
     "int": ["abc", -1, 1.5, True, None, [1], MAX_ID + 1, str(MAX_ID + 1), "1e3", " 1", "\uff11"],
+    "limit": ["abc", -1, 0, 1001, 1.5, True, None, [1], "1e3", " 1"],
     "flag": ["maybe", 2, -1, None, [1], "yes please"],
     "email": [5, "not an address", "a@b", "x@example.com\r\nBcc: y@example.com", ["a@x.com"]],
     "list": ["x", 5, {"a": 1}, None, True],
@@ -30,6 +31,7 @@ WRONG = {
     "ref": ["abc", -1, 1.5, True, [1], MAX_ID + 1, "1e3"],
     "scalar": [[1], {"a": 1}, None, "two\nlines"],
     "data": [5, None, True, 1.5],
+    "time": [[1], {"a": 1}, None, True, "two\nlines", "tomorrow", -1, 1.5],
     "choice": ["no-such-choice", 5, None, ["all"]],
 }
 
@@ -212,12 +214,13 @@ def test_a_huge_json_number_for_an_integer_field_is_skipped_not_a_crash(api):
     assert recipients(api, ds)["ok@example.com"]["fields"]["n"] == "12"
 
 
-def test_a_segment_value_that_overflows_an_integer_field_is_400(api):
+def test_a_segment_value_that_overflows_an_integer_field_is_409(api):
+    # 409: whether a value fits depends on the stored field's type.
     ds = make_datasource(api, fields=[{"name": "n", "type": "integer"}])
     for value in (1e300, 10**30, "1e300"):
-        data = api.put("/segment/0", status=400, name="s", datasources=[ds], match="all",
+        data = api.put("/segment/0", status=409, name="s", datasources=[ds], match="all",
                        conditions=[{"field": "n", "op": "gt", "value": value}])
-        assert data["error"] == "invalid_parameter"
+        assert data["error"] == "conflict"
     created = api.put("/segment/0", name="s", datasources=[ds], match="all",
                       conditions=[{"field": "n", "op": "gt", "value": 5.0}])
     assert api.get(f"/segment/{created['id']}")["segment"]["size"] == "0"

@@ -107,7 +107,7 @@ def test_soft_delete(api):
 def test_delete_needs_the_same_id(api):
     api.put("/datasource/0", name="d")
     assert api.delete("/datasource/1", status=400)["error"] == "missing_parameter"
-    assert api.delete("/datasource/1", status=400, id=2)["field"] == "id"
+    assert api.delete("/datasource/1", status=409, id=2)["field"] == "id"
     assert api.delete("/datasource/1", status=400, id="one")["field"] == "id"
     assert api.get("/datasource/1")["datasource"]["deleted"] == "0"
     assert api.delete("/datasource/1", id="1") is True

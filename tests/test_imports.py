@@ -232,8 +232,8 @@ def test_change_and_delete_import(api, ds, db):
     second = int(second["id"])
     assert api.post(f"/datasource/{ds}/import/{second}", id=second, name="renamed") is True
     assert get_import(api, ds, second)["name"] == "renamed"
-    api.post(f"/datasource/{ds}/import/{second}", status=400, id=second + 1, name="x")
-    api.delete(f"/datasource/{ds}/import/{second}", status=400, id=second + 1)
+    api.post(f"/datasource/{ds}/import/{second}", status=409, id=second + 1, name="x")
+    api.delete(f"/datasource/{ds}/import/{second}", status=409, id=second + 1)
     api.delete(f"/datasource/{ds}/import/{second}", status=400)
     assert api.delete(f"/datasource/{ds}/import/{second}", id=second) is True
     # The recipients it inserted go; the one it only updated stays.

@@ -86,7 +86,7 @@ def test_addresses_are_checked(api, kind):
 def test_unknown_parameters_and_delete_id(api):
     assert api.put("/message/0", status=400, subjet="typo")["error"] == "unknown_parameter"
     new_id = api.put("/message/0", name="m")["id"]
-    assert api.delete(f"/message/{new_id}", status=400, id=int(new_id) + 1)["field"] == "id"
+    assert api.delete(f"/message/{new_id}", status=409, id=int(new_id) + 1)["field"] == "id"
     assert api.delete(f"/message/{new_id}", id=int(new_id)) is True
 
 

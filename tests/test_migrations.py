@@ -1,5 +1,5 @@
 """Versioned schema: a database made by an older schema opens with this code
-and keeps every row, on both engines (API.md section 15)."""
+and keeps every row, on both engines (README: engines)."""
 
 import os
 import re

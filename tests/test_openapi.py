@@ -33,8 +33,10 @@ def test_the_document_is_valid_openapi_3_1(document):
 
 
 def test_every_route_of_the_app_is_in_the_document_and_nothing_else(app, document):
-    # The two catch-all routes only answer 404/405 in our envelope.
-    served = {(route.method, route.rule) for route in app.routes if route.method != "ANY"}
+    # The two catch-all routes only answer 404/405 in our envelope; the
+    # root only redirects to the index.
+    served = {(route.method, route.rule) for route in app.routes
+              if route.method != "ANY" and route.name != "root"}
     described = {(method, re.sub(r"\{(\w+)\}", r"<\1>", path))
                  for method, path, _ in operations(document)}
     assert served == described
@@ -47,6 +49,7 @@ def test_a_route_added_to_the_table_appears_without_touching_the_generator(monke
 
     extra = campaignapi.Route("POST", "/probe/{thing:int|all}/x/{name:name}", "write", probe,
                               "flavour:a|b! count:int tags:list")
+    monkeypatch.setitem(campaignapi.PARAM_DOCS, "flavour", ("A taste.", "a"))
     monkeypatch.setattr(campaignapi, "ROUTES", [*campaignapi.ROUTES, extra])
     document = webtest.TestApp(campaignapi.create_app(db)).get("/v1/openapi.json").json
     validate(document)
@@ -62,14 +65,55 @@ def test_a_route_added_to_the_table_appears_without_touching_the_generator(monke
     assert body["required"] == ["flavour"]
     assert body["properties"]["flavour"]["enum"] == ["a", "b"]
     assert body["properties"]["tags"]["type"] == "array"
-    assert {p["name"] for p in operation["parameters"] if p["in"] == "query"} == {"flavour", "count"}
+    # A POST takes its parameters in the body; the document says so only there.
+    assert {p["name"] for p in operation["parameters"] if p["in"] == "query"} == set()
+    assert body["properties"]["flavour"]["description"] == "A taste."
+    assert operation["requestBody"]["content"]["application/json"]["example"]["flavour"] == "a"
+    assert "description" not in body["properties"]["count"]    # not in PARAM_DOCS: none
+    assert operation["operationId"] == "change_probe_x"
     assert set(operation["responses"]) == {"200", "400", "401", "403", "404", "409", "413",
                                            "415", "422", "500"}
 
 
 def test_every_parameter_type_has_a_schema():
     # A type added to the pipeline must be described too.
-    assert set(campaignapi.PARAM_TYPES) <= set(campaignapi._BODY_TYPES)
+    assert set(campaignapi.PARAM_TYPES) <= set(campaignapi._PARAM_SCHEMAS)
+
+
+def test_every_parameter_is_described_with_an_example(document):
+    for method, path, operation in operations(document):
+        body = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+        for name, schema in body.get("schema", {}).get("properties", {}).items():
+            assert schema.get("description"), (method, path, name)
+            assert name in body["example"], (method, path, name)
+        for parameter in operation["parameters"]:
+            assert parameter.get("description") or parameter["schema"].get("description"), \
+                (method, path, parameter["name"])
+            assert "example" in parameter, (method, path, parameter["name"])
+        assert re.fullmatch(r"[a-z_]+", operation["operationId"]), operation["operationId"]
+    ids = [operation["operationId"] for _, _, operation in operations(document)]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_success_answer_is_typed(document):
+    for method, path, operation in operations(document):
+        success = [answer for status, answer in operation["responses"].items()
+                   if status.startswith(("2", "3"))]
+        assert len(success) == 1, (method, path)
+        for content in success[0].get("content", {}).values():
+            data = content["schema"].get("properties", {}).get("data", content["schema"])
+            assert "type" in data or "$ref" in data or "oneOf" in data, (method, path)
+        if not success[0].get("content"):   # a redirect or an empty answer: its headers say
+            assert success[0].get("headers") or method == "OPTIONS", (method, path)
+
+
+def test_gets_that_change_data_are_marked(document):
+    marked = {path for method, path, operation in operations(document)
+              if method == "GET" and operation["x-changes-data"]}
+    assert marked == {"/v1/datasource/{parent_id}/modify/{child_id}",
+                      "/v1/datasource/{parent_id}/export/{child_id}"}
+    for path in marked:
+        assert "This GET changes data" in document["paths"][path]["get"]["description"]
 
 
 def test_levels_and_security_follow_the_route_table(document):
@@ -90,25 +134,35 @@ def test_levels_and_security_follow_the_route_table(document):
             assert operation["requestBody"] == route.body
             continue
         body = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
-        assert set(body.get("schema", {}).get("properties", {})) == set(route.params)
-        assert sorted(body.get("schema", {}).get("required", [])) == \
-            sorted(p.name for p in route.params.values() if p.required)
+        query = {p["name"]: p for p in operation["parameters"] if p["in"] == "query"}
+        given = query if method in ("GET", "DELETE") else body.get("schema", {}).get(
+            "properties", {})
+        assert set(given) == set(route.params)
+        if method in ("GET", "DELETE"):
+            assert not body
+            assert {name for name, p in query.items() if p["required"]} == \
+                {p.name for p in route.params.values() if p.required}
+        else:
+            assert not query
+            assert sorted(body.get("schema", {}).get("required", [])) == \
+                sorted(p.name for p in route.params.values() if p.required)
     assert document["components"]["securitySchemes"]["bearer"] == {
         "type": "http", "scheme": "bearer", "description": "An API key's secret."}
 
 
-def test_every_error_code_of_the_contract_is_described(document):
-    contract = {400: {"invalid_json", "missing_parameter", "invalid_parameter",
+def test_every_error_code_is_described(document):
+    expected = {400: {"invalid_json", "missing_parameter", "invalid_parameter",
                       "unknown_parameter", "invalid_identifier"},
                 401: {"unauthorized"}, 403: {"insufficient_access"}, 404: {"not_found"},
                 405: {"method_not_allowed"}, 409: {"conflict", "verification_failed"},
                 413: {"payload_too_large"}, 415: {"unsupported_media_type"},
                 422: {"invalid_data"}, 500: {"internal_error"}}
     responses = document["components"]["responses"]
-    for status, codes in contract.items():
-        schema = responses[str(status)]["content"]["application/json"]["schema"]
-        assert schema["properties"]["success"] == {"const": False}
-        assert set(schema["properties"]["data"]["allOf"][1]["properties"]["error"]["enum"]) == codes
+    for status, codes in expected.items():
+        ref = responses[str(status)]["content"]["application/json"]["schema"]["$ref"]
+        schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert schema["properties"]["success"] == {"type": "boolean", "enum": [False]}
+        assert set(schema["properties"]["data"]["properties"]["error"]["enum"]) == codes
 
 
 class Checker:
@@ -124,6 +178,9 @@ class Checker:
             answer = self.document["components"]["responses"][answer["$ref"].rsplit("/", 1)[1]]
         schema = {**answer["content"]["application/json"]["schema"],
                   "components": self.document["components"]}
+        if "$ref" in schema:
+            schema = {**self.document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]],
+                      "components": self.document["components"]}
         jsonschema.validate(response.json, schema, cls=jsonschema.Draft202012Validator)
 
 

@@ -27,7 +27,7 @@ def test_create_get_change(api, ds):
 
 def test_create_rules(api, ds):
     other = make_datasource(api, "other")
-    assert api.put(f"/datasource/{ds}/organize/0", status=400, item=other, folder="",
+    assert api.put(f"/datasource/{ds}/organize/0", status=409, item=other, folder="",
                    sortorder=0)["field"] == "item"
     assert api.put(f"/datasource/{ds}/organize/0", status=400, item=ds,
                    folder="")["error"] == "missing_parameter"
@@ -44,7 +44,7 @@ def test_create_rules(api, ds):
 def test_change_rules(api, ds):
     api.post(f"/datasource/{ds}/organize/1", status=404, id=1, folder="x")
     api.put(f"/datasource/{ds}/organize/0", item=ds, folder="a", sortorder=1)
-    assert api.post(f"/datasource/{ds}/organize/1", status=400, id=2,
+    assert api.post(f"/datasource/{ds}/organize/1", status=409, id=2,
                     folder="x")["field"] == "id"
     assert api.post(f"/datasource/{ds}/organize/1", status=400,
                     folder="x")["error"] == "missing_parameter"

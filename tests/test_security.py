@@ -1,5 +1,5 @@
 """Security: every route x every kind of bad credential and every missing
-access level gets the contract's answer; another account's records are 404
+access level gets the API's answer; another account's records are 404
 everywhere and stay untouched; secrets are never stored or logged in clear;
 download tokens are unguessable, expire and refuse forgeries; no error body
 shows SQL or a traceback."""
@@ -176,8 +176,8 @@ def test_another_accounts_records_cannot_be_used_in_ones_own(client, other, worl
     assert profile and profile[0]["passed"] == "0"
     # Their organize item is not theirs to file.
     own = stranger.put("/datasource/0", name="own")["id"]
-    assert stranger.put(f"/datasource/{own}/organize/0", status=400, item=1, folder="x",
-                        sortorder=1)["error"] == "invalid_parameter"
+    assert stranger.put(f"/datasource/{own}/organize/0", status=409, item=1, folder="x",
+                        sortorder=1)["error"] == "conflict"
 
 
 # --- secrets --------------------------------------------------------------------------------

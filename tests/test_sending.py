@@ -1,4 +1,4 @@
-"""Send, process_due, batch archives and archives (contract section 7)."""
+"""Send, process_due, batch archives and archives (README: Sending)."""
 
 import sqlite3
 

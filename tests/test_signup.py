@@ -71,12 +71,14 @@ def test_sign_up_settings_are_checked(api, stranger_api):
     gone = int(api.put("/message/0", name="g", subject="s", text=CONFIRM_TEXT)["id"])
     api.delete(f"/message/{gone}", id=gone)
     theirs = int(stranger_api.put("/message/0", name="x", text=CONFIRM_TEXT)["id"])
-    for message in (half, gone, theirs, 999):
-        data = api.put("/datasource/0", status=400, name="d", confirmmessage=message)
-        assert (data["error"], data["field"]) == ("invalid_parameter", "confirmmessage")
-    assert api.put("/datasource/0", status=400, name="d", welcomemessage=999)["field"] == \
+    # A reference like any other: missing (or another account's) 404, deleted 409; a
+    # message without {{confirm_url}} 409 (what is stored forbids it).
+    for message, status in ((half, 409), (gone, 409), (theirs, 404), (999, 404)):
+        data = api.put("/datasource/0", status=status, name="d", confirmmessage=message)
+        assert data["field"] == "confirmmessage"
+    assert api.put("/datasource/0", status=404, name="d", welcomemessage=999)["field"] == \
         "welcomemessage"
-    assert api.put("/datasource/0", status=400, name="d", fromprofile=999)["field"] == "fromprofile"
+    assert api.put("/datasource/0", status=404, name="d", fromprofile=999)["field"] == "fromprofile"
     # Sign-ups need a sender profile: 409, on create and on change.
     assert api.put("/datasource/0", status=409, name="d", signup=1)["error"] == "conflict"
     ds = api.put("/datasource/0", name="d", signup="1", fromprofile=profile,
