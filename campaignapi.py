@@ -2274,8 +2274,8 @@ class _Importer:
         then three set-based statements apply the same rules."""
         conn, now = self.conn, _now()
         conn.execute("TRUNCATE pg_temp.import_rows")
-        with conn.raw.cursor().copy("COPY pg_temp.import_rows (n, email, data, patch) "
-                                    "FROM STDIN") as copy:
+        with conn.raw.cursor() as cursor, cursor.copy(
+                "COPY pg_temp.import_rows (n, email, data, patch) FROM STDIN") as copy:
             copy.write("".join([
                 f"{number}\t{address.translate(_COPY_TEXT)}\t"
                 f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
@@ -5287,8 +5287,9 @@ def _renew_leases(run, done):
                          "AND claimed_by = ?", (_now(), run.worker_id))
         except Exception as error:   # a lost lease is refused before sending anyway
             log.warning("renewing this worker's claims failed: %s", error)
-            with contextlib.suppress(Exception):
-                conn and conn.close()
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
             conn = None
     if conn is not None:
         conn.close()
