@@ -2271,7 +2271,10 @@ class _Importer:
 
     def copy(self, pending):
         """flush() on PostgreSQL: the chunk goes into a temporary table by COPY,
-        then three set-based statements apply the same rules."""
+        then set-based statements apply the same rules: the new addresses are
+        inserted; when some were known, those are counted and updated (the
+        update also passes over the rows just inserted, which it leaves as
+        they are)."""
         conn, now = self.conn, _now()
         conn.execute("TRUNCATE pg_temp.import_rows")
         with conn.raw.cursor() as cursor, cursor.copy(
@@ -2281,6 +2284,15 @@ class _Importer:
                 f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
                 f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
                 for number, (address, keys, values) in enumerate(pending.values())]))
+        inserted = conn.execute(
+            "INSERT INTO recipient (datasource, email, import, created, updated, data) "
+            "SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
+            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING",
+            (self.datasource, self.import_id, now, now)).rowcount
+        self.inserted += inserted
+        if inserted == len(pending):
+            return
+        conn.execute("ANALYZE pg_temp.import_rows")   # so the joins below use the index
         # Known recipients that this import has not updated yet count as updated.
         self.updated += conn.execute(
             "INSERT INTO pg_temp.import_touched (id) SELECT r.id FROM recipient r "
@@ -2291,11 +2303,6 @@ class _Importer:
                      f"{conn.sql['json_merge'].format(json='r.data', patch='s.patch')} "
                      "FROM pg_temp.import_rows s WHERE r.datasource = ? AND r.email = s.email",
                      (now, self.datasource))
-        self.inserted += conn.execute(
-            "INSERT INTO recipient (datasource, email, import, created, updated, data) "
-            "SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
-            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING",
-            (self.datasource, self.import_id, now, now)).rowcount
 
 
 #: COPY's text format: a backslash, tab, newline or carriage return escaped.
@@ -2631,8 +2638,9 @@ def _write_export(conn, datasource_id, path):
     partial = path + ".part"
     reading = transaction(conn) if streaming else contextlib.nullcontext()
     try:
-        reading.__enter__()
-        with open(partial, "w", newline="", encoding="utf-8") as file:
+        # The cursor closes before the reading transaction ends.
+        with reading, contextlib.closing(cursor), \
+                open(partial, "w", newline="", encoding="utf-8") as file:
             writer = csv.writer(file)
             writer.writerow(["email"] + [name for _, name, _ in fields])
             for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
@@ -2641,8 +2649,6 @@ def _write_export(conn, datasource_id, path):
                 count += 1
         os.replace(partial, path)
     finally:
-        cursor.close()
-        reading.__exit__(None, None, None)
         with contextlib.suppress(OSError):
             os.remove(partial)
     return count
@@ -5278,13 +5284,16 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
 
 def _renew_leases(run, done):
     """Every CLAIM_RENEW seconds until ``done``: this worker's claims are
-    renewed (one UPDATE over the few rows being sent)."""
+    renewed (one UPDATE over the few rows being sent).  A row a courier is
+    writing at that moment is skipped, not waited for (on PostgreSQL waiting
+    would deadlock with the courier's own transaction); it is renewed next time."""
     conn = None
     while not done.wait(CLAIM_RENEW):
         try:
             conn = conn or connect(run.db)
-            conn.execute("UPDATE outbox SET claimed_at = ? WHERE status = 'sending' "
-                         "AND claimed_by = ?", (_now(), run.worker_id))
+            conn.execute("UPDATE outbox SET claimed_at = ? WHERE id IN (SELECT id FROM outbox "
+                         "WHERE status = 'sending' AND claimed_by = ? "
+                         f"{conn.sql['skip_locked']})", (_now(), run.worker_id))
         except Exception as error:   # a lost lease is refused before sending anyway
             log.warning("renewing this worker's claims failed: %s", error)
             if conn is not None:
