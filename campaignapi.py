@@ -2272,9 +2272,8 @@ class _Importer:
     def copy(self, pending):
         """flush() on PostgreSQL: the chunk goes into a temporary table by COPY,
         then set-based statements apply the same rules: the new addresses are
-        inserted; when some were known, those are counted and updated (the
-        update also passes over the rows just inserted, which it leaves as
-        they are)."""
+        inserted and leave the staging table; the known ones left in it are
+        counted and updated."""
         conn, now = self.conn, _now()
         conn.execute("TRUNCATE pg_temp.import_rows")
         with conn.raw.cursor() as cursor, cursor.copy(
@@ -2285,14 +2284,15 @@ class _Importer:
                 f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
                 for number, (address, keys, values) in enumerate(pending.values())]))
         inserted = conn.execute(
-            "INSERT INTO recipient (datasource, email, import, created, updated, data) "
-            "SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
-            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING",
+            "WITH added AS (INSERT INTO recipient (datasource, email, import, created, updated, "
+            "data) SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
+            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING RETURNING email) "
+            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
             (self.datasource, self.import_id, now, now)).rowcount
         self.inserted += inserted
         if inserted == len(pending):
             return
-        conn.execute("ANALYZE pg_temp.import_rows")   # so the joins below use the index
+        conn.execute("ANALYZE pg_temp.import_rows")   # a few rows: the joins use the index
         # Known recipients that this import has not updated yet count as updated.
         self.updated += conn.execute(
             "INSERT INTO pg_temp.import_touched (id) SELECT r.id FROM recipient r "

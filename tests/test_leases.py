@@ -41,6 +41,8 @@ def test_a_killed_workers_claims_go_to_the_other_within_a_minute(db, smtp_sink, 
             with database(db) as conn:
                 assert conn.execute("SELECT error FROM outbox WHERE status = 'failed'"
                                     ).fetchone()[0] == campaignapi._INTERRUPTED
+        output = stop_process(survivor)
+        assert "Traceback" not in output and "deadlock" not in output, output[-3000:]
     finally:
         stop_process(doomed)
         if survivor is not None:

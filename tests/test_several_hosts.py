@@ -51,6 +51,10 @@ def test_two_apis_and_two_workers_one_killed_every_recipient_once(pg_db, smtp_si
             check_delivered_once(pg_db, smtp_sink, addresses, killed + 60)
             wait_for(lambda: one.get(f"/campaign/{campaign}/batcharchive/all")["batcharchive"]
                      [0]["status"] == "sent", timeout=30, what="the batch to be sent")
+            # The survivor never failed a step (a deadlock between its own
+            # connections once did, and only the leases hid it).
+            output = stop_process(survivor)
+            assert "Traceback" not in output and "deadlock" not in output, output[-3000:]
         finally:
             stop_process(doomed)
             stop_process(survivor)
