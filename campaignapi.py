@@ -1958,6 +1958,8 @@ def convert_value(kind, value):
     text = str(value).strip()
     if text == "":
         return None
+    if "\x00" in text:   # refused by every text parameter, and by PostgreSQL's jsonb
+        raise ValueError("a NUL character is not allowed")
     if kind == "text":
         return str(value)
     if kind == "integer":
@@ -2426,6 +2428,7 @@ def _import_csv(importer, raw):
     typed_keys, kinds = tuple(key for _, key, _ in typed), [kind for _, _, kind in typed]
     keys = text_keys + typed_keys
     width, number = len(header), 1
+    nul = b"\x00" in raw   # rare (and in every UTF-16 file): only then look at each row
     while True:
         try:
             for cells in reader:
@@ -2435,6 +2438,10 @@ def _import_csv(importer, raw):
                 if len(cells) < width:
                     cells += [""] * (width - len(cells))
                 values = text_cells(cells)
+                if nul and any("\x00" in cell for cell in values):
+                    importer.rows += 1
+                    importer.skip(number, "a NUL character is not allowed")
+                    continue
                 if typed:
                     converted = importer.convert(number, typed_keys, kinds, typed_cells(cells))
                     if converted is None:
