@@ -253,6 +253,8 @@ SQL = {
         # A top-level key of a JSON object: typed (a number compares as one).
         "json_value": "json_extract({json}, '$.\"{key}\"')",
         "json_number": "json_extract({json}, '$.\"{key}\"')",
+        # The value typed as the driver gives it (str, int, float; None for null).
+        "json_item": "json_extract({json}, '$.\"{key}\"')",
         # json_set with the value given as JSON text: json() keeps its type.
         "json_set": "json_set({json}, '$.\"{key}\"', json({value}))",
         # RFC 7396 merge: a null in the patch removes the key.
@@ -278,6 +280,7 @@ SQL = {
         "json_value": "(CAST({json} AS jsonb) ->> '{key}')",
         "json_number": "CAST(jsonb_path_query_first(CAST({json} AS jsonb), "
                        "'$.\"{key}\" ? (@.type() == \"number\")') AS numeric)",
+        "json_item": "(CAST({json} AS jsonb) -> '{key}')",   # psycopg loads jsonb
         "json_set": "CAST(jsonb_set(CAST({json} AS jsonb), '{{{key}}}', CAST({value} AS jsonb))"
                     " AS text)",
         # The patches we write are flat objects, so stripping nulls after the
@@ -519,7 +522,21 @@ def _pg_row_factory(cursor):
         index.setdefault(name, position)
     for position, name in enumerate(names):
         index.setdefault(name.lower(), position)
+    # A boolean (EXISTS, a comparison) comes as 1/0, as SQLite gives it.
+    flags = [position for position, column in enumerate(cursor.description or ())
+             if column.type_code == _PG_BOOL]
+    if flags:
+        def make(values):
+            values = list(values)
+            for position in flags:
+                if values[position] is not None:
+                    values[position] = int(values[position])
+            return _PgRow(values, names, index)
+        return make
     return lambda values: _PgRow(values, names, index)
+
+
+_PG_BOOL = 16   # the type oid of boolean
 
 
 # A statement's tokens that matter to the translation: literals, quoted
@@ -572,11 +589,13 @@ def _pg_params(params, order):
 class _PgCursor:
     """A psycopg cursor behind the sqlite3 cursor interface."""
 
-    def __init__(self, conn):
+    def __init__(self, conn, name=None):
         self.connection = conn
         self.row_factory = _pg_row_factory   # None: plain tuples, as in sqlite3
         self.lastrowid = None
-        self._cursor = conn.raw.cursor()
+        # A name: a server-side cursor (inside a transaction), rows fetched
+        # as iterated rather than all at once.
+        self._cursor = conn.raw.cursor(name=name) if name else conn.raw.cursor()
 
     def _prepare(self):
         import psycopg.rows
@@ -646,8 +665,8 @@ class _PgConnection:
     def executemany(self, sql, seq_of_params):
         return _PgCursor(self).executemany(sql, seq_of_params)
 
-    def cursor(self):
-        return _PgCursor(self)
+    def cursor(self, name=None):
+        return _PgCursor(self, name)
 
     @property
     def in_transaction(self):
@@ -1626,8 +1645,8 @@ def _stored_secret(conn, create=True):
     if row or not create:
         return row and row["value"]
     with transaction(conn):
-        conn.execute("INSERT OR IGNORE INTO setting (name, value) VALUES ('secret', ?)",
-                     (secrets.token_hex(32),))
+        conn.execute("INSERT INTO setting (name, value) VALUES ('secret', ?) "
+                     "ON CONFLICT DO NOTHING", (secrets.token_hex(32),))
     return conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()["value"]
 
 
@@ -1985,6 +2004,9 @@ def _datasource_values(call, row):
     settings checked: their messages and profile are live records of the
     account, a confirmation message carries {{confirm_url}} in each body it
     has, and sign-ups need a sender profile."""
+    # Bad fields are refused before the row is written: on PostgreSQL an id
+    # taken by a rolled-back insert is not given again.
+    _checked_fields(call.get("fields", []))
     values = _columns(call, DATASOURCE.column_names)
     for name, kind in (("confirmmessage", MESSAGE), ("welcomemessage", MESSAGE),
                        ("fromprofile", ACCOUNTPROFILE)):
@@ -2060,9 +2082,8 @@ DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
     columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
             "confirmmessage:ref welcomemessage:ref fromprofile:ref", required="name",
-    values=_datasource_values,
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
-    selectors={"import": "origin = 'import'"},
+    selectors={"import": "origin = 'import'"}, values=_datasource_values,
     after_create=_add_fields, after_change=_add_fields)
 
 
@@ -2080,6 +2101,8 @@ def convert_value(kind, value):
     text = str(value).strip()
     if text == "":
         return None
+    if "\x00" in text:   # refused by every text parameter, and by PostgreSQL's jsonb
+        raise ValueError("a NUL character is not allowed")
     if kind == "text":
         return str(value)
     if kind == "integer":
@@ -2377,27 +2400,29 @@ def _retype(conn, datasource, field, kind):
     ROWS_REPORTED failing rows, then InvalidData rolls the request back, so
     the data stays as it was.
     """
-    path = f'$."{int(field["id"])}"'
+    spell = {"json": "data", "key": int(field["id"])}
     failures, last_id = [], 0
     while len(failures) < ROWS_REPORTED:
         rows = conn.execute(
-            "SELECT id, email, json_extract(data, ?1) AS value FROM recipient "
-            "WHERE datasource = ?2 AND id > ?3 AND json_extract(data, ?1) IS NOT NULL "
-            "ORDER BY id LIMIT ?4", (path, datasource, last_id, CHUNK_ROWS)).fetchall()
+            f"SELECT id, email, {conn.sql['json_item'].format(**spell)} AS value FROM recipient "
+            f"WHERE datasource = ? AND id > ? AND {conn.sql['json_value'].format(**spell)} "
+            "IS NOT NULL ORDER BY id LIMIT ?", (datasource, last_id, CHUNK_ROWS)).fetchall()
         if not rows:
             break
         last_id = rows[-1]["id"]
         updates = []
         for row in rows:
             try:
-                updates.append((path, convert_value(kind, display_value(row["value"])), row["id"]))
+                updates.append((_to_json(convert_value(kind, display_value(row["value"]))),
+                                row["id"]))
             except ValueError as error:
                 failures.append({"recipient": str(row["id"]), "email": row["email"],
                                  "value": display_value(row["value"]), "error": str(error)})
                 if len(failures) >= ROWS_REPORTED:
                     break
         if not failures:
-            conn.executemany("UPDATE recipient SET data = json_set(data, ?, ?) WHERE id = ?",
+            conn.executemany(f"UPDATE recipient SET data = "
+                             f"{conn.sql['json_set'].format(**spell, value='?')} WHERE id = ?",
                              updates)
     if failures:
         raise InvalidData(f"The field '{field['name']}' cannot become {kind}: some stored values "
@@ -2437,7 +2462,10 @@ class _Importer:
         # Existing recipients this import already updated: a repeated row
         # in a later chunk must not count again.
         conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
-        conn.execute("DELETE FROM temp.import_touched")
+        conn.execute(f"DELETE FROM {conn.sql['temp']}.import_touched")
+        if conn.engine == "postgresql":   # a chunk's rows, staged by COPY (see copy())
+            conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_rows "
+                         "(n integer, email citext, data text, patch text)")
 
     def report(self, number, error):
         if len(self.errors) < ROWS_REPORTED:
@@ -2520,18 +2548,22 @@ class _Importer:
         pending, self.pending = self.pending, {}
         if not pending:
             return
+        if self.conn.engine == "postgresql":
+            return self.copy(pending)
         known, touched = {}, []
         for recipient_id, email, source, seen in self.conn.execute(
                 "SELECT r.id, r.email, r.import, t.id IS NOT NULL FROM recipient r "
-                "LEFT JOIN temp.import_touched t ON t.id = r.id "
-                "WHERE r.datasource = ? AND r.email IN (SELECT value FROM json_each(?))",
+                f"LEFT JOIN {self.conn.sql['temp']}.import_touched t ON t.id = r.id "
+                "WHERE r.datasource = ? AND r.email IN "
+                f"({self.conn.sql['json_addresses'].format(array='?')})",
                 (self.datasource, _to_json([item[0] for item in pending.values()]))):
             known[_nocase(email)] = recipient_id
             if source != self.import_id and not seen:
                 touched.append((recipient_id,))
         self.inserted += len(pending) - len(known)
         self.updated += len(touched)
-        self.conn.executemany("INSERT INTO temp.import_touched (id) VALUES (?)", touched)
+        self.conn.executemany(f"INSERT INTO {self.conn.sql['temp']}.import_touched (id) "
+                              "VALUES (?)", touched)
         now, inserts, updates = _now(), [], []
         for folded, (address, keys, values) in pending.items():
             recipient_id = known.get(folded)
@@ -2544,9 +2576,49 @@ class _Importer:
             "INSERT INTO recipient (datasource, email, import, created, updated, data) "
             "VALUES (?1, ?2, ?3, ?4, ?4, ?5)", inserts)
         self.conn.executemany(
-            "UPDATE recipient SET updated = ?, data = json_patch(data, ?) WHERE id = ?", updates)
+            "UPDATE recipient SET updated = ?, data = "
+            f"{self.conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?", updates)
         if self.erased is not None and inserts:
             self.erased(self.conn, [row[1] for row in inserts])
+
+    def copy(self, pending):
+        """flush() on PostgreSQL: the chunk goes into a temporary table by COPY,
+        then set-based statements apply the same rules: the new addresses are
+        inserted and leave the staging table; the known ones left in it are
+        counted and updated."""
+        conn, now = self.conn, _now()
+        conn.execute("TRUNCATE pg_temp.import_rows")
+        with conn.raw.cursor() as cursor, cursor.copy(
+                "COPY pg_temp.import_rows (n, email, data, patch) FROM STDIN") as copy:
+            copy.write("".join([
+                f"{number}\t{address.translate(_COPY_TEXT)}\t"
+                f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
+                f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
+                for number, (address, keys, values) in enumerate(pending.values())]))
+        inserted = conn.execute(
+            "WITH added AS (INSERT INTO recipient (datasource, email, import, created, updated, "
+            "data) SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
+            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING RETURNING email) "
+            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
+            (self.datasource, self.import_id, now, now)).rowcount
+        self.inserted += inserted
+        if inserted == len(pending):
+            return
+        conn.execute("ANALYZE pg_temp.import_rows")   # a few rows: the joins use the index
+        # Known recipients that this import has not updated yet count as updated.
+        self.updated += conn.execute(
+            "INSERT INTO pg_temp.import_touched (id) SELECT r.id FROM recipient r "
+            "JOIN pg_temp.import_rows s ON s.email = r.email WHERE r.datasource = ? "
+            "AND r.import IS DISTINCT FROM ? ON CONFLICT DO NOTHING",
+            (self.datasource, self.import_id)).rowcount
+        conn.execute("UPDATE recipient r SET updated = ?, data = "
+                     f"{conn.sql['json_merge'].format(json='r.data', patch='s.patch')} "
+                     "FROM pg_temp.import_rows s WHERE r.datasource = ? AND r.email = s.email",
+                     (now, self.datasource))
+
+
+#: COPY's text format: a backslash, tab, newline or carriage return escaped.
+_COPY_TEXT = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
 
 _json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, like _to_json
@@ -2666,6 +2738,7 @@ def _import_csv(importer, raw):
     typed_keys, kinds = tuple(key for _, key, _ in typed), [kind for _, _, kind in typed]
     keys = text_keys + typed_keys
     width, number = len(header), 1
+    nul = b"\x00" in raw   # rare (and in every UTF-16 file): only then look at each row
     while True:
         try:
             for cells in reader:
@@ -2675,6 +2748,10 @@ def _import_csv(importer, raw):
                 if len(cells) < width:
                     cells += [""] * (width - len(cells))
                 values = text_cells(cells)
+                if nul and any("\x00" in cell for cell in values):
+                    importer.rows += 1
+                    importer.skip(number, "a NUL character is not allowed")
+                    continue
                 if typed:
                     converted = importer.convert(number, typed_keys, kinds, typed_cells(cells))
                     if converted is None:
@@ -2741,7 +2818,11 @@ def _import_create(call, child_id):
     raw = None if upload_type == "json" else _upload_bytes(upload_type, data)
     if raw is not None:
         data = None
-        if b"\x00" in raw[:4096] and not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        # Binary (a spreadsheet, an image): a ZIP file, or NUL bytes throughout.
+        # A stray NUL in one cell is that row's problem (it is skipped).
+        sample = raw[:4096]
+        if not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) and (
+                raw.startswith(b"PK\x03\x04") or sample.count(b"\x00") > max(1, len(sample) // 100)):
             kind = " (a ZIP file, such as an Excel .xlsx: save it as CSV)" \
                 if raw.startswith(b"PK\x03\x04") else ""
             raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
@@ -2765,7 +2846,7 @@ def _import_create(call, child_id):
         "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
         "updated": importer.updated, "skipped": importer.skipped,
         "errors": _to_json(importer.errors), "finished": _now()})
-    call.conn.execute("DELETE FROM temp.import_touched")
+    call.conn.execute(f"DELETE FROM {call.conn.sql['temp']}.import_touched")
     row = call.conn.execute("SELECT * FROM import WHERE id = ?", (import_id,)).fetchone()
     call.emit("import.finished", _import_record(call, row))
     _notify_import(call, datasource, row)
@@ -2823,6 +2904,10 @@ def _export_get(call, child_id):
 
 
 def _export_folder(db):
+    if str(db).startswith(_PG_URL):
+        # Files of this host, served by this host: see README, PostgreSQL.
+        name = hashlib.sha256(str(db).encode()).hexdigest()[:16]
+        return os.path.join(tempfile.gettempdir(), f"campaignapi-{name}-exports")
     return os.path.abspath(db) + "-exports"
 
 
@@ -2871,13 +2956,20 @@ def _write_export(conn, datasource_id, path):
     fields = sorted(field for field in datasource_fields(conn, datasource_id).values()
                     if field[2] != "email")
     # Field ids are integers from our own table, never request text.
-    columns = "".join(f", json_extract(data, '$.\"{int(field_id)}\"')" for field_id, _, _ in fields)
-    cursor = conn.cursor()
+    columns = "".join(", " + conn.sql["json_item"].format(json="data", key=int(field_id))
+                      for field_id, _, _ in fields)
+    # PostgreSQL streams the rows through a server-side cursor, which lives
+    # in a (read-only) transaction; sqlite3 steps through them anyway.
+    streaming = conn.engine == "postgresql"
+    cursor = conn.cursor("export") if streaming else conn.cursor()
     cursor.row_factory = None
     count = 0
     partial = path + ".part"
+    reading = transaction(conn) if streaming else contextlib.nullcontext()
     try:
-        with open(partial, "w", newline="", encoding="utf-8") as file:
+        # The cursor closes before the reading transaction ends.
+        with reading, contextlib.closing(cursor), \
+                open(partial, "w", newline="", encoding="utf-8") as file:
             writer = csv.writer(file)
             writer.writerow(["email"] + [name for _, name, _ in fields])
             for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
@@ -2886,7 +2978,6 @@ def _write_export(conn, datasource_id, path):
                 count += 1
         os.replace(partial, path)
     finally:
-        cursor.close()
         with contextlib.suppress(OSError):
             os.remove(partial)
     return count
@@ -2912,7 +3003,9 @@ def _notify_export(call, datasource, row):
 
 def _download(call, token):
     """The CSV of an export, to anyone holding its link, until it expires."""
-    row = call.conn.execute("SELECT * FROM export WHERE token = ?", (token,)).fetchone()
+    # A token is URL-safe base64 (PostgreSQL refuses a NUL in any text).
+    row = call.conn.execute("SELECT * FROM export WHERE token = ?", (token,)).fetchone() \
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,100}", token) else None
     if row is None or row["status"] != "finished" or row["expires"] <= _now() \
             or not row["path"] or not os.path.isfile(row["path"]):
         raise NotFound("This download link is unknown or has expired; start a new export.")
@@ -3125,10 +3218,12 @@ def _check_defaulttemplate(call, value):
 SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
 
 
-def _condition_sql(column, kind, op, value):
+def _condition_sql(conn, column, kind, op, value, typed_column=None):
     """SQL for one condition on one column expression, and its parameters.
 
-    ``column`` is SQL we build from field ids, never request text; the value is
+    ``column`` is SQL we build from field ids, never request text, giving the
+    value as text on PostgreSQL; ``typed_column`` (default ``column``) gives
+    it as its field's type (a number, for numbers and yes/no).  The value is
     always a parameter, converted to the field's type so comparisons are typed.
     """
     if op == "empty":
@@ -3138,7 +3233,7 @@ def _condition_sql(column, kind, op, value):
     if op in ("contains", "startswith"):
         needle = str(value).lower()
         if op == "contains":
-            return f"instr(lower({column}), ?) > 0", (needle,)
+            return conn.sql["contains"].format(haystack=f"lower({column})", needle="?"), (needle,)
         return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
     try:
         typed = convert_value(kind if kind != "email" else "text", value)
@@ -3146,13 +3241,14 @@ def _condition_sql(column, kind, op, value):
         # Checked when stored, but the field has been retyped since: no value
         # of its new type equals this one (so only 'ne' holds), none is above
         # or below it.  Never an error: sizes, verify and sending must go on.
-        return ("1" if op == "ne" else "0"), ()
+        return ("(1 = 1)" if op == "ne" else "(1 = 0)"), ()
+    column = typed_column or column
     if kind in ("text", "email") and typed is not None:
         column, typed = f"lower({column})", str(typed).lower()
     if op == "eq":
-        return f"{column} IS ?", (typed,)
+        return f"{column} IS NOT DISTINCT FROM ?", (typed,)
     if op == "ne":
-        return f"{column} IS NOT ?", (typed,)
+        return f"{column} IS DISTINCT FROM ?", (typed,)
     return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
 
 
@@ -3167,7 +3263,7 @@ def segment_filter(conn, datasources, match, conditions):
     type (the field was retyped) equals no value.
     """
     if not datasources:
-        return "0", ()
+        return "(1 = 0)", ()
     parts, params = [], []
     for datasource in datasources:
         fields = datasource_fields(conn, datasource)
@@ -3175,17 +3271,19 @@ def segment_filter(conn, datasources, match, conditions):
         for condition in conditions:
             name, op, value = condition["field"].lower(), condition["op"], condition.get("value")
             if name == "email":
-                sql, args = _condition_sql("r.email", "email", op, value)
+                sql, args = _condition_sql(conn, "r.email", "email", op, value)
             elif name in fields:
                 field_id, _, kind = fields[name]
-                column = f"json_extract(r.data, '$.\"{int(field_id)}\"')"
-                sql, args = _condition_sql(column, kind, op, value)
+                column = conn.sql["json_value"].format(json="r.data", key=int(field_id))
+                typed = conn.sql["json_number"].format(json="r.data", key=int(field_id)) \
+                    if kind in ("integer", "number", "boolean") else None
+                sql, args = _condition_sql(conn, column, kind, op, value, typed)
             else:
-                sql, args = ("1", ()) if op in ("empty", "ne") else ("0", ())
+                sql, args = ("(1 = 1)", ()) if op in ("empty", "ne") else ("(1 = 0)", ())
             tests.append(sql)
             test_params.extend(args)
         joiner = " AND " if match == "all" else " OR "
-        test = joiner.join(tests) if tests else "1"
+        test = joiner.join(tests) if tests else "(1 = 1)"
         parts.append(f"(r.datasource = ? AND ({test}))")
         params.extend([datasource, *test_params])
     return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
@@ -3270,7 +3368,7 @@ def segment_query(conn, segment):
     recipients, in those of its datasources that are not deleted."""
     live = [row[0] for row in conn.execute(
         "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
-        "(SELECT value FROM json_each(?)) ORDER BY id", (segment["datasources"],))]
+        f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id", (segment["datasources"],))]
     return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
 
 
@@ -3408,7 +3506,7 @@ def _whole_campaign(campaign_id, child_id, what):
 def _rows_by_id(conn, table, ids):
     """``{id: row}`` of ``table`` (a fixed name) for the given ids."""
     return {row["id"]: row for row in conn.execute(
-        f"SELECT * FROM {table} WHERE id IN (SELECT value FROM json_each(?))",
+        f"SELECT * FROM {table} WHERE id IN ({conn.sql['json_ids'].format(array='?')})",
         (json.dumps(sorted(set(ids))),))}
 
 
@@ -3854,9 +3952,10 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
                 break
             with transaction(conn):
                 # Looked at before the write lock: another process may have
-                # made or cancelled it since.  Only a batch still scheduled is made.
-                batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled'",
-                                     (batch["id"],)).fetchone()
+                # made or cancelled it since.  Only a batch still scheduled is made
+                # (on PostgreSQL the row lock makes another maker wait, then skip it).
+                batch = conn.execute("SELECT * FROM batch WHERE id = ? AND status = 'scheduled' "
+                                     f"{conn.sql['for_update']}", (batch["id"],)).fetchone()
                 if batch is not None:
                     _make_batch(conn, batch, now, pending, templates_dir)
                     made += 1
@@ -3908,11 +4007,11 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
         segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
         where, params = segment_query(conn, segment)
         conn.execute(
-            "INSERT OR IGNORE INTO outbox (account, kind, batch, message, recipient, to_addr, "
+            "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, "
             "status, created, next_try) "
             f"SELECT ?, 'campaign', ?, ?, r.id, r.email, 'queued', ?, ? FROM recipient r WHERE {where} "
             "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
-            "ORDER BY r.id",
+            "ORDER BY r.id ON CONFLICT DO NOTHING",
             (account, batch["id"], link["message"], now, now, *params, account))
         _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
@@ -6186,8 +6285,12 @@ def _bounce_sendgrid(call):
 # Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
 # ---------------------------------------------------------------------------
 
-#: A claim older than this belongs to a worker that died; its rows are queued again.
-STALE_CLAIM = datetime.timedelta(minutes=10)
+#: A claim is a lease: a live worker renews it (claimed_at) every CLAIM_RENEW
+#: seconds while it works, and confirms it before each SMTP attempt; one not
+#: renewed for STALE_CLAIM belongs to a worker that died, and its rows go back
+#: to the queue (the one in flight is failed).
+STALE_CLAIM = datetime.timedelta(seconds=30)
+CLAIM_RENEW = 5
 _INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
                 "not sent again, so that it cannot arrive twice")
 #: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
@@ -6492,6 +6595,7 @@ class _Courier:
         self.run = run
         self.conn = connect(run.db)
         self.smtp = None
+        self.looked = time.monotonic()   # when it last looked for dead workers' leases
         self.letters, self.fields = {}, {}  # per (batch, message) and per datasource
 
     # The database side.
@@ -6499,13 +6603,20 @@ class _Courier:
     def claim(self):
         due = self.run.now or _now()
         with transaction(self.conn):
-            return self.conn.execute(
+            if time.monotonic() - self.looked >= CLAIM_RENEW:
+                # While busy, also hand a dead worker's rows back to the queue.
+                self.looked = time.monotonic()
+                _take_back(self.conn, _time_text(self.run.now) if self.run.now else _now(),
+                           self.run.stale_claim)
+            # On PostgreSQL each worker takes rows no other has locked.
+            rows = self.conn.execute(
                 "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
-                "ORDER BY next_try LIMIT ?) AND status = 'queued' "
+                f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
                 "html, attempts, fromname, fromaddress, replyto",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
+        return rows
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
@@ -6524,22 +6635,29 @@ class _Courier:
 
         Called before every SMTP attempt, so an email the server accepted is
         never more than one attempt away from being recorded: a worker
-        killed mid-chunk leaves only its one attempting row in doubt."""
+        killed mid-chunk leaves only its one attempting row in doubt.
+
+        Returns False when the ``attempting`` row is no longer this worker's
+        (its lease ran out and another took it back): it must not be sent."""
+        worker, mine = self.run.worker_id, True
         pending = [] if self.run.on_event else None
         with transaction(self.conn):
             self.conn.executemany(
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
                 "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
-                "attempt_started = NULL WHERE id = ?", results)
+                "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
+                [(*result, worker) for result in results])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
             if attempting is not None:
-                self.conn.execute("UPDATE outbox SET attempt_started = ? WHERE id = ?",
-                                  (_now(), attempting))
+                mine = self.conn.execute(
+                    "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
+                    "AND claimed_by = ?", (_now(), attempting, worker)).rowcount == 1
         results.clear()
         bounces.clear()
         if pending:
             run_callbacks(self.run.on_event, pending)
+        return mine
 
     # Building the emails.
 
@@ -6704,7 +6822,10 @@ class _Courier:
             run.pace.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
-            self.record(results, bounces, attempting=row["id"])
+            if not self.record(results, bounces, attempting=row["id"]):
+                log.warning("outbox %s: this worker's claim ran out and was taken back; "
+                            "left to the others", row["id"])
+                continue
             try:
                 if not (sender.isascii() and row["to_addr"].isascii()) and not self.offers_utf8():
                     outcome(row, "failed", "failed", attempts, error="the address has non-ASCII "
@@ -6738,6 +6859,19 @@ class _Courier:
         return unreachable
 
 
+def _take_back(conn, now, stale_claim):
+    """Inside a transaction: the rows of leases not renewed since ``now -
+    stale_claim`` (dead workers) go back to the queue, except one whose SMTP
+    attempt had started: it may have arrived, so it is failed (at most once)."""
+    stale = (datetime.datetime.strptime(now, "%Y-%m-%d %H:%M:%S") - stale_claim
+             ).strftime("%Y-%m-%d %H:%M:%S")
+    conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
+                 "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
+                 "AND claimed_at < ? AND attempt_started IS NOT NULL", (_INTERRUPTED, stale))
+    conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
+                 "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
+
+
 def smtp_address(smtp):
     """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
     return server_address(smtp, "the SMTP server")
@@ -6756,7 +6890,7 @@ class _Run:
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
                  sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
-                 on_event=None, bounce_domain=""):
+                 on_event=None, bounce_domain="", stale_claim=STALE_CLAIM):
         self.db = db
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
@@ -6765,6 +6899,7 @@ class _Run:
         self.max_attempts, self.timeout, self.now, self.stop = max_attempts, timeout, now, stop
         self.on_event = on_event
         self.bounce_domain = bounce_domain
+        self.stale_claim = stale_claim
         self.pace = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
@@ -6803,8 +6938,9 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
-    running side by side never send the same row; a claim older than
-    ``stale_claim`` (a worker that died) is taken back.  Each outcome is
+    running side by side never send the same row; a claim is a lease the
+    worker renews as it goes, and one not renewed for ``stale_claim`` (a
+    worker that died) is taken back.  Each outcome is
     written before the next SMTP attempt starts, so of a dead worker's rows
     only the one it was sending is in doubt: that one is failed, never sent
     twice; the others are queued again.  A 4xx reply queues the
@@ -6828,8 +6964,8 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param secret: the token secret; default the one stored in the database.
     :param now: deliver what is due at this time (a datetime or stored text); default: now.
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
-    :param stale_claim: how old a claim must be (a timedelta) before it counts as a dead
-        worker's; it must be longer than any live worker takes over one chunk.
+    :param stale_claim: how long a lease must go unrenewed (a timedelta) before it
+        counts as a dead worker's (live workers renew every CLAIM_RENEW seconds).
     :param on_event: called with the ``recipient.bounced`` events of hard
         bounces after their commit (see emit()).
     :param bounce_domain: the setting ``bounce_domain``: campaign emails get the
@@ -6852,18 +6988,12 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
             (cutoff, stale)).fetchone()
         if dead:
             with transaction(conn):
-                # A row the dead worker was sending may have arrived: at most once.
-                conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
-                             "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
-                             "AND claimed_at < ? AND attempt_started IS NOT NULL",
-                             (_INTERRUPTED, stale))
-                conn.execute("UPDATE outbox SET status = 'queued', claimed_by = NULL, "
-                             "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
+                _take_back(conn, cutoff, stale_claim)
     finally:
         conn.close()
     if not (due or dead):
         return {**dict.fromkeys(_COUNTS, 0), "error": None}
-    # A claim must be sent well before it goes stale: claim about a minute's work.
+    # A lease is renewed as the chunk goes; still, claim about a minute's work.
     chunk = batch_size if not rate else max(1, min(batch_size, int(rate * 60 / connections)))
     run = _Run(
         db, address, starttls=starttls, username=username, password=password, rate=rate,
@@ -6871,8 +7001,42 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
         mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
-        stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain)
+        stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain,
+        stale_claim=stale_claim)
     couriers = [_Courier(run) for _ in range(max(1, connections))]
+    done = threading.Event()
+    threading.Thread(target=_renew_leases, args=(run, done), daemon=True,
+                     name="campaignapi-lease").start()
+    try:
+        _run_couriers(couriers)
+    finally:
+        done.set()
+    return {**run.counts, "error": run.error}
+
+
+def _renew_leases(run, done):
+    """Every CLAIM_RENEW seconds until ``done``: this worker's claims are
+    renewed (one UPDATE over the few rows being sent).  A row a courier is
+    writing at that moment is skipped, not waited for (on PostgreSQL waiting
+    would deadlock with the courier's own transaction); it is renewed next time."""
+    conn = None
+    while not done.wait(CLAIM_RENEW):
+        try:
+            conn = conn or connect(run.db)
+            conn.execute("UPDATE outbox SET claimed_at = ? WHERE id IN (SELECT id FROM outbox "
+                         "WHERE status = 'sending' AND claimed_by = ? "
+                         f"{conn.sql['skip_locked']})", (_now(), run.worker_id))
+        except Exception as error:   # a lost lease is refused before sending anyway
+            log.warning("renewing this worker's claims failed: %s", error)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            conn = None
+    if conn is not None:
+        conn.close()
+
+
+def _run_couriers(couriers):
     if len(couriers) == 1:
         couriers[0].deliver()
     else:
@@ -6892,7 +7056,6 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
             thread.join()
         if failures:
             raise failures[0]
-    return {**run.counts, "error": run.error}
 
 
 # The worker ------------------------------------------------------------------
@@ -8980,7 +9143,10 @@ def _check_database(path, *, must_exist):
     """Refuse ``--db`` before anything is created or changed: a directory, a
     missing or unwritable directory, a file that is not a campaignapi database or
     that a newer version made; with ``must_exist``, a path without a database
-    (a typo must not start a worker on a new, empty file)."""
+    (a typo must not start a worker on a new, empty file).  A ``postgresql://``
+    URL is checked by connecting: the server must answer, the database exist."""
+    if str(path).startswith(_PG_URL):
+        return _check_pg_database(path, must_exist)
     where = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise _Refused(f"--db {path} is a directory, not a database file")
@@ -9004,6 +9170,33 @@ def _check_database(path, *, must_exist):
                        f"({error.strerror or error})") from None
 
 
+def _check_pg_database(url, must_exist):
+    """The checks of _check_database() for a PostgreSQL database, read-only."""
+    shown = re.sub(r"//[^@/]*@", "//", url)   # never print a password
+    try:
+        conn = connect(url)
+    except RuntimeError as error:
+        raise _Refused(str(error)) from None
+    except Exception as error:   # psycopg.OperationalError: not imported here
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _Refused(f"--db {shown}: cannot connect ({reason})") from None
+    try:
+        version = conn.schema_version()
+        tables = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = "
+                              "current_schema()").fetchone()[0]
+    finally:
+        conn.close()
+    if version > SCHEMA_VERSION:
+        raise _Refused(f"--db {shown} was made by a newer campaignapi (schema version {version}; "
+                       f"this one knows {SCHEMA_VERSION}): upgrade campaignapi to use it")
+    if version == 0 and tables:
+        raise _Refused(f"--db {shown} holds another application's tables, not campaignapi's")
+    if version == 0 and must_exist:
+        raise _Refused(f"--db {shown}: there is no campaignapi database there (serve or key "
+                       "create makes one; check the URL)")
+    return version
+
+
 @contextlib.contextmanager
 def _database_errors(path):
     """What is left after _check_database() (a race, a full disk) as one line."""
@@ -9011,6 +9204,11 @@ def _database_errors(path):
         yield
     except (sqlite3.Error, OSError, RuntimeError) as error:
         raise _Refused(f"--db {path}: {error}") from None
+    except Exception as error:
+        if not type(error).__module__.startswith("psycopg"):
+            raise
+        shown = re.sub(r"//[^@/]*@", "//", str(path))
+        raise _Refused(f"--db {shown}: {str(error).strip().splitlines()[0]}") from None
 
 
 def _url_host(host):
@@ -9309,8 +9507,8 @@ def main(argv=None):
     serve.add_argument("--port", type=_whole_number(0, 65535), default=8080,
                        help="TCP port; 0 takes a free one (default: %(default)s)")
     serve.add_argument("--db", default="campaignapi.db", metavar="PATH",
-                       help="the SQLite database; a new one gets the schema, an account and a "
-                            "key (default: %(default)s)")
+                       help="the SQLite file or a postgresql:// URL; a new one gets the schema, "
+                            "an account and a key (default: %(default)s)")
     serve.add_argument("--public-url", default=None, type=_http_url, metavar="URL",
                        help="base URL of the API as the outside world sees it, for links in "
                             "emails (default: http://HOST:PORT)")
@@ -9346,7 +9544,8 @@ def main(argv=None):
 
     worker = commands.add_parser("worker", help="make due batches and deliver the outbox, alone")
     worker.add_argument("--db", default="campaignapi.db", metavar="PATH",
-                        help="the database; it must exist (default: %(default)s)")
+                        help="the SQLite file or a postgresql:// URL; it must exist "
+                             "(default: %(default)s)")
     worker.add_argument("--public-url", default=None, type=_http_url, metavar="URL",
                         help="base URL of unsubscribe links when a batch has none "
                              "(default: none)")

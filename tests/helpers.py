@@ -8,7 +8,6 @@ import html
 import json
 import re
 import socket
-import sqlite3
 import threading
 import time
 import urllib.error
@@ -199,11 +198,16 @@ def scalar(db, sql, *args):
 
 def snapshot(db, skip=("setting",)):
     """Every row of every table, to compare before and after."""
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     try:
-        tables = [row[0] for row in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
-        return {table: sorted(conn.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
+        if conn.engine == "postgresql":
+            tables = [row[0] for row in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")]
+        else:
+            tables = [row[0] for row in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+        return {table: sorted((tuple(row) for row in conn.execute(f"SELECT * FROM {table}")),
+                              key=repr)
                 for table in tables if table not in skip}
     finally:
         conn.close()
@@ -212,11 +216,11 @@ def snapshot(db, skip=("setting",)):
 def add_recipients(db, datasource, rows, status="active"):
     """Insert recipients straight into the database (imports are another
     part's work): ``rows`` are ``(email, {field name: stored value})``."""
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     try:
         ids = {name.lower(): str(field_id) for field_id, name in conn.execute(
             "SELECT id, name FROM field WHERE datasource = ?", (datasource,))}
-        with conn:
+        with campaignapi.transaction(conn):
             conn.executemany(
                 "INSERT INTO recipient (datasource, email, data, status) VALUES (?, ?, ?, ?)",
                 [(datasource, email, json.dumps({ids[k.lower()]: v for k, v in values.items()}),
@@ -412,3 +416,88 @@ def make_signup_list(api, name="Newsletter", fields=({"name": "first", "type": "
 def confirm_path(text):
     """The path of the confirmation link in an email body (``/v1/confirm/...``)."""
     return re.search(r"https?://[^\s\"']*?(/v1/confirm/[A-Za-z0-9_-]+)", text).group(1)
+# --- workers as real processes (issue 12: leases, several hosts) -----------------------------
+
+class HttpApi:
+    """conftest.Api over real HTTP: ``HttpApi(base_url, secret).put("/datasource/0", ...)``
+    (so the record helpers above work against a served process)."""
+
+    def __init__(self, base, secret):
+        self.base, self.headers = base.rstrip("/"), {"Authorization": f"Bearer {secret}"}
+
+    def call(self, method, path, params=None, status=200):
+        answer, _, body = http(f"{self.base}/v1{path}", method, params, self.headers, timeout=120)
+        assert answer == status, (answer, body[:500])
+        return json.loads(body)["data"]
+
+    def get(self, path, status=200):
+        return self.call("GET", path, None, status)
+
+    def put(self, path, status=200, **params):
+        return self.call("PUT", path, params, status)
+
+    def post(self, path, status=200, **params):
+        return self.call("POST", path, params, status)
+
+
+def start_worker(db, smtp, *more, cwd=None):
+    """``python campaignapi.py worker --db DB --smtp SMTP`` as a real process
+    (its output in a file beside nothing: discarded unless it fails)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([sys.executable, os.path.join(root, "campaignapi.py"), "worker",
+                                "--db", db, "--smtp", smtp, *more], cwd=cwd or root,
+                               stdout=log, stderr=subprocess.STDOUT)
+    process.log = log
+    return process
+
+
+def stop_process(process, timeout=20):
+    """Terminate a process this test started (then kill it); its output."""
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    process.log.seek(0)
+    return process.log.read()
+
+
+def check_delivered_once(db, sink, addresses, deadline):
+    """Wait (until ``deadline``, a time.monotonic()) for the outbox to have
+    nothing queued or sending; then every address got exactly one email but
+    for the failed ones (at most one: in flight at a kill), none twice."""
+    import collections
+
+    wait_for(lambda: scalar(db, "SELECT count(*) FROM outbox WHERE status IN "
+                                "('queued', 'sending')") == 0,
+             timeout=max(1, deadline - time.monotonic()), what="the outbox to drain",
+             interval=0.5)
+    received = collections.Counter(rcpts[0] for _, rcpts, _ in list(sink.messages))
+    twice = [address for address, count in received.items() if count > 1]
+    assert not twice, twice[:10]
+    with database(db) as conn:
+        failed = [row[0] for row in conn.execute(
+            "SELECT to_addr FROM outbox WHERE kind = 'campaign' AND status = 'failed'")]
+        sent = conn.execute("SELECT count(*) FROM outbox WHERE kind = 'campaign' "
+                            "AND status = 'sent'").fetchone()[0]
+    assert len(failed) <= 1, failed
+    missing = set(addresses) - set(received) - set(failed)
+    assert not missing, sorted(missing)[:10]
+    assert sent == len(addresses) - len(failed)
+    return received, failed
+
+
+def spelled(db, name, **slots):
+    """The SQL spelling ``name`` (campaignapi.SQL) of ``db``'s engine, filled in."""
+    engine = "postgresql" if str(db).startswith("postgresql://") else "sqlite"
+    return campaignapi.SQL[engine][name].format(**slots)

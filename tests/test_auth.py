@@ -4,7 +4,6 @@ route against real keys of each level: test_security.py)."""
 
 import datetime
 import re
-import sqlite3
 
 import pytest
 import webtest
@@ -63,7 +62,7 @@ def test_key_works_through_its_expiry_day_utc(client, make_key):
 def test_only_a_hash_of_the_secret_is_stored(db, auth):
     secret = auth["Authorization"].split()[1]
     assert re.fullmatch(r"cak_[A-Za-z0-9_-]{43}", secret)    # 256 bits
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     stored = [tuple(row) for row in conn.execute("SELECT * FROM apikey")]
     conn.close()
     assert secret not in repr(stored)
@@ -73,8 +72,9 @@ def test_only_a_hash_of_the_secret_is_stored(db, auth):
 def test_keys_of_one_address_share_one_account(db, app):
     campaignapi.create_key(db, "Owner@Example.COM")
     campaignapi.create_key(db, "Owner@example.com", ["read"])
-    conn = sqlite3.connect(db)
-    assert conn.execute("SELECT email FROM account").fetchall() == [("Owner@example.com",)]
+    conn = campaignapi.connect(db)
+    assert [tuple(row) for row in conn.execute("SELECT email FROM account")] == \
+        [("Owner@example.com",)]
     conn.close()
 
 
@@ -154,8 +154,7 @@ def test_remembered_keys_still_stop_at_revocation_and_expiry(db, tmp_path):
     secret = campaignapi.create_key(db, "cache@example.com", name="plain")
     headers = {"Authorization": f"Bearer {secret}"}
     assert uncached.get("/v1/campaign/all", headers=headers).status_int == 200
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     conn.execute("UPDATE apikey SET expires = '2000-01-01 00:00:00' WHERE name = 'plain'")
-    conn.commit()
     conn.close()
     assert uncached.get("/v1/campaign/all", headers=headers, expect_errors=True).status_int == 401

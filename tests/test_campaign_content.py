@@ -1,6 +1,5 @@
 """Campaign messages (links), structure and verify."""
 
-import sqlite3
 
 import pytest
 
@@ -212,8 +211,8 @@ def test_a_campaign_from_nothing_until_verify_passes(api, db):
 
 def _set(db, table, row_id, **values):
     """Put a stored value the API would refuse (old data, another writer)."""
-    conn = sqlite3.connect(db)
-    with conn:
+    conn = campaignapi.connect(db)
+    with campaignapi.transaction(conn):
         for column, value in values.items():
             conn.execute(f"UPDATE {table} SET {column} = ? WHERE id = ?", (value, row_id))
     conn.close()

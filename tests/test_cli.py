@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ import pytest
 import webtest
 
 import campaignapi
-from helpers import free_port, http
+from helpers import free_port, http, snapshot
 
 SCRIPT = os.path.abspath(campaignapi.__file__)
 SECRET_LINE = re.compile(r"^cak_[A-Za-z0-9_-]+$")
@@ -30,11 +29,10 @@ def run_cli(*args, cwd):
 
 def test_new_database_gets_the_schema_version(db):
     campaignapi.create_app(db)
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == campaignapi.SCHEMA_VERSION == 2
-    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"account", "apikey", "datasource", "field", "campaign"} <= tables
+    conn = campaignapi.connect(db)
+    assert conn.schema_version() == campaignapi.SCHEMA_VERSION == 2
     conn.close()
+    assert {"account", "apikey", "datasource", "field", "campaign"} <= set(snapshot(db))
 
 
 def test_existing_database_keeps_its_data(db, api):
@@ -46,8 +44,8 @@ def test_existing_database_keeps_its_data(db, api):
 
 
 def test_newer_schema_is_refused(db):
-    conn = sqlite3.connect(db)
-    conn.execute("PRAGMA user_version = 99")
+    conn = campaignapi.connect(db)
+    conn.set_schema_version(99)
     conn.close()
     with pytest.raises(RuntimeError, match="99"):
         campaignapi.create_app(db)

@@ -137,8 +137,9 @@ def test_two_processes_under_mixed_load_lose_nothing(db, tmp_path):
         assert {batches_status for batches_status in (
             r[0] for r in conn.execute("SELECT status FROM batch"))} <= {"sending", "sent"}
         assert conn.execute("SELECT count(*) FROM (SELECT batch, lower(to_addr) FROM outbox "
-                            "WHERE kind = 'campaign' GROUP BY 1, 2 HAVING count(*) > 1)"
+                            "WHERE kind = 'campaign' GROUP BY 1, 2 HAVING count(*) > 1) AS twice"
                             ).fetchone()[0] == 0
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        if conn.engine == "sqlite":
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()

@@ -16,7 +16,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from helpers import build_world, bulk_recipients, scalar
+from helpers import build_world, bulk_recipients, scalar, spelled
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -46,6 +46,10 @@ def kill_when(process, ready, timeout=60):
 
 
 def wal_size(db):
+    """How much the database has written: SQLite's WAL, or on PostgreSQL the
+    database's size (uncommitted rows take room too)."""
+    if db.startswith("postgresql://"):
+        return scalar(db, "SELECT pg_database_size(current_database())")
     try:
         return os.path.getsize(db + "-wal")
     except OSError:
@@ -154,11 +158,14 @@ def test_a_delivery_killed_mid_chunk_sends_nobody_twice_and_the_rest_later(
     assert len(received) >= len(addresses) - unsure
     assert scalar(db, "SELECT count(*) FROM outbox WHERE status = 'sent'") == len(received) \
         - scalar(db, "SELECT count(*) FROM outbox WHERE status = 'failed' AND to_addr IN "
-                     "(SELECT value FROM json_each(?))", json.dumps(list(received)))
+                     f"({spelled(db, 'json_addresses', array='?')})", json.dumps(list(received)))
 
 
 # --- a batch cancelled while another process is about to make it -----------------------------
 
+@pytest.mark.skipif(os.environ.get("CAMPAIGNAPI_TEST_ENGINE") == "postgresql",
+                    reason="hooks SQLite's BEGIN IMMEDIATE; on PostgreSQL the batch row is "
+                           "locked (FOR UPDATE), which test_several_hosts exercises")
 def test_a_batch_cancelled_between_the_look_and_the_make_stays_cancelled(db, api):
     """Two processes run process_due: one looks (the batch is due), then the
     campaign's pending send is cancelled before its write lock is granted.

@@ -2,13 +2,14 @@
 a chosen id, soft delete, the email field, account isolation."""
 
 import re
-import sqlite3
 
 import pytest
 
+import campaignapi
+
 
 def count(db, table):
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     try:
         return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
     finally:

@@ -55,8 +55,8 @@ def test_export_record_file_and_notification(api, ds, db, client):
     assert mail[0]["subject"] == 'Export of "Customers" is ready'
     assert record["url"] in mail[0]["body"]
     # The file lives beside the database.
-    assert os.listdir(db + "-exports") and not any(
-        name.endswith(".part") for name in os.listdir(db + "-exports"))
+    folder = campaignapi._export_folder(db)
+    assert os.listdir(folder) and not any(name.endswith(".part") for name in os.listdir(folder))
 
 
 def test_export_reimports(api, ds, client):
@@ -74,6 +74,8 @@ def test_download_fails_once_expired_or_unknown(api, ds, db, client):
     with database(db) as conn:
         conn.execute("UPDATE export SET expires = '2000-01-01 00:00:00' WHERE id = ?",
                      (int(record["id"]),))
+        old = conn.execute("SELECT path FROM export WHERE id = ?",
+                           (int(record["id"]),)).fetchone()[0]
     response = client.get(path, expect_errors=True)
     assert response.status_int == 404
     assert response.json["success"] is False and response.json["data"]["error"] == "not_found"
@@ -84,7 +86,7 @@ def test_download_fails_once_expired_or_unknown(api, ds, db, client):
     with database(db) as conn:
         assert conn.execute("SELECT path FROM export WHERE id = ?",
                             (int(record["id"]),)).fetchone()[0] is None
-    assert len(os.listdir(db + "-exports")) == 1
+    assert not os.path.exists(old) and os.listdir(campaignapi._export_folder(db))
 
 
 def test_public_url_in_links(db, make_key):

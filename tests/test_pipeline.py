@@ -4,7 +4,6 @@ code that the pipeline itself produces, on a real SQLite file."""
 import io
 import json
 import logging
-import sqlite3
 import sys
 
 import pytest
@@ -109,7 +108,7 @@ def test_a_failed_write_changes_nothing(monkeypatch, db, make_key):
     _raising_route(monkeypatch, half)
     client = webtest.TestApp(campaignapi.create_app(db))
     assert_error(send(client, "PUT", "/v1/test/5", make_key(["read"])), 400, "invalid_parameter")
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     assert conn.execute("SELECT count(*) FROM campaign").fetchone()[0] == 0
     conn.close()
 

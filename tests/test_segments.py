@@ -1,8 +1,9 @@
 """Segments: datasources plus typed conditions, counted in SQL."""
 
-import sqlite3
 
 import pytest
+
+import campaignapi
 
 from helpers import add_recipients
 
@@ -153,7 +154,7 @@ def test_request_text_never_becomes_sql(api, people, db):
     assert size(api, people, [{"field": "city", "op": "contains", "value": value}]) == 0
     assert size(api, people, [{"field": "city", "op": "eq", "value": "%"}]) == 0
     assert size(api, people, [{"field": "city", "op": "startswith", "value": "_"}]) == 0
-    conn = sqlite3.connect(db)
+    conn = campaignapi.connect(db)
     assert conn.execute("SELECT count(*) FROM recipient").fetchone()[0] == 7
     conn.close()
 

@@ -1,6 +1,5 @@
 """Send, process_due, batch archives and archives (README: Sending)."""
 
-import sqlite3
 
 import pytest
 
@@ -28,8 +27,7 @@ def build(api):
 
 
 def outbox(db, kind="campaign"):
-    conn = sqlite3.connect(db)
-    conn.row_factory = sqlite3.Row
+    conn = campaignapi.connect(db)
     try:
         return conn.execute("SELECT * FROM outbox WHERE kind = ? ORDER BY id", (kind,)).fetchall()
     finally:
