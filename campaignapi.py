@@ -2602,6 +2602,8 @@ class _Importer:
             "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
             (self.datasource, self.import_id, now, now)).rowcount
         self.inserted += inserted
+        if self.erased is not None:   # an erased address comes back unsubscribed
+            self.erased(conn, [address for address, _, _ in pending.values()])
         if inserted == len(pending):
             return
         conn.execute("ANALYZE pg_temp.import_rows")   # a few rows: the joins use the index

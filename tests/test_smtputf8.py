@@ -8,7 +8,7 @@ import email.policy
 import pytest
 
 import campaignapi
-from helpers import import_csv, make_campaign, make_datasource
+from helpers import database, import_csv, make_campaign, make_datasource
 from smtp_sink import SmtpSink
 
 WIDE = "jörg.müller@example.org"
@@ -75,7 +75,7 @@ def test_a_relay_without_smtputf8_fails_them_one_by_one(api, db, campaign):
     assert (batch["sent"], batch["failed"], batch["queued"]) == ("1", "1", "2")
     assert [rcpts for _, rcpts, _ in relay.messages if rcpts != ["owner@example.com"]] == [
         ["ann@example.org"]]
-    with campaignapi.connect(db) as conn:
+    with database(db) as conn:
         status, error = conn.execute("SELECT status, error FROM outbox WHERE to_addr = ?",
                                      (WIDE,)).fetchone()
     assert status == "failed"

@@ -377,6 +377,9 @@ def test_an_event_is_never_sent_for_a_change_that_rolled_back(hooks, db, events)
                          "__uploaddata__": "email\na@example.com\n"})
         assert response.status_int >= 400 and response.json["success"] is False
         assert deliver(db) == {"delivered": 0, "retried": 0, "failed": 0}
+        with database(db) as conn:   # the test's database may be used again (PostgreSQL's pool)
+            conn.run_script("DROP TRIGGER refuse_mail" + ("" if conn.engine == "sqlite"
+                                                          else " ON outbox; DROP FUNCTION refuse_mail()"))
     assert receiver.calls == [] and events == []
     assert scalar(db, "SELECT count(*) FROM hook_event") == 0
     assert scalar(db, "SELECT count(*) FROM import") == 0
