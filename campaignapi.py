@@ -4406,7 +4406,9 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
     return True
 
 
-_UNSUBSCRIBE_PAGE = """<!doctype html>
+#: Every page a person opens from an email or a form (unsubscribe, sign-up, confirm,
+#: a bad link): one small, readable shell.
+_PERSON_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
 <title>{title}</title>
 <style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;color:#222}}
@@ -4422,7 +4424,7 @@ border:1px solid #767676;border-radius:4px}}.check label{{display:inline;font-we
 
 def _page_response(title, body, status=200):
     return bottle.HTTPResponse(
-        _UNSUBSCRIBE_PAGE.format(title=html.escape(title), body=body), status=status,
+        _PERSON_PAGE.format(title=html.escape(title), body=body), status=status,
         headers={"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
                  "X-Robots-Tag": "noindex"})
 
