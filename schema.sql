@@ -393,3 +393,18 @@ CREATE TABLE IF NOT EXISTS hook_delivery (
     finished   TEXT
 );
 CREATE INDEX IF NOT EXISTS hook_delivery_due ON hook_delivery(status, webhook, id);
+
+-- Public writes kept for later: an open, a click, an unsubscribe, a sign-up or
+-- a confirm that arrives while a long transaction (a big import) holds the
+-- lock it needs is kept here, and applied in order as soon as the lock is free
+-- (see "Public writes that never wait" in campaignapi.py).  On SQLite the rows
+-- live in a file of their own beside the database (its name + '.intake'),
+-- since the database's one write lock is what they must not wait for; there
+-- this table stays empty.  AUTOINCREMENT: ids are never used twice, so the
+-- last id applied marks what is done.
+CREATE TABLE IF NOT EXISTS intake (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind    TEXT NOT NULL,                     -- a key of LATER
+    payload TEXT NOT NULL,                     -- its arguments, JSON
+    created TEXT NOT NULL DEFAULT (datetime('now'))
+);
