@@ -353,27 +353,15 @@ def _pragma(conn, name, value, wait=30.0):
             time.sleep(0.01)
 
 
-class Busy(Exception):
-    """A transaction with ``wait`` did not get its locks within that time."""
-
-
 @contextlib.contextmanager
-def transaction(conn, wait=None):
+def transaction(conn):
     """Run the block as one transaction (a savepoint when already in one).
 
     On SQLite ``BEGIN IMMEDIATE`` takes the write lock up front, so two
     writers queue on busy_timeout instead of failing halfway with 'database is
     locked'.  On PostgreSQL a plain ``BEGIN``: writers that must not overlap
     lock the rows they change.
-
-    :param wait: seconds to wait at most for the locks (SQLite's write lock,
-        PostgreSQL's lock_timeout for each lock), instead of the connection's
-        30; then :class:`Busy` is raised and nothing is changed.
     """
-    if wait is not None and not conn.in_transaction:
-        with _waiting_at_most(conn, wait):
-            yield conn
-        return
     if conn.in_transaction:
         name = "sp_" + secrets.token_hex(4)
         conn.execute(f"SAVEPOINT {name}")
@@ -390,36 +378,6 @@ def transaction(conn, wait=None):
         yield conn
     except BaseException:
         conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
-@contextlib.contextmanager
-def _waiting_at_most(conn, wait):
-    """transaction(conn, wait): SQLite waits for its write lock on BEGIN
-    alone; PostgreSQL takes locks statement by statement, so any of them may
-    time out (SQLSTATE 55P03, lock_not_available) and roll the whole back."""
-    milliseconds = max(1, int(wait * 1000))
-    if conn.engine == "sqlite":
-        conn.execute(f"PRAGMA busy_timeout = {milliseconds}")
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as error:
-            if "locked" not in str(error) and "busy" not in str(error):
-                raise
-            raise Busy(str(error)) from None
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {dict(PRAGMAS)['busy_timeout']}")
-    else:
-        conn.execute("BEGIN")
-    try:
-        if conn.engine == "postgresql":
-            conn.execute(f"SET LOCAL lock_timeout = {milliseconds}")
-        yield conn
-    except BaseException as error:
-        conn.execute("ROLLBACK")
-        if _transient(error):
-            raise Busy(str(error)) from None
         raise
     conn.execute("COMMIT")
 
@@ -4654,8 +4612,8 @@ def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
 # in the transaction that applies it, so each is applied once, also when the
 # process dies between the two files.
 
-#: How long a public write waits for its locks before it is kept for later.
-PUBLIC_WAIT = 0.05
+#: How long a public write waits for its locks before it is kept for later (ms).
+PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
 INTAKE_CHUNK = 500
 _INTAKE_LOCK = 0x696e7461   # 'inta': the advisory lock of one drainer (PostgreSQL)
@@ -4680,12 +4638,21 @@ class _Intake:
                 self.backlog = self.kept()
             backlog = self.backlog
         if not backlog:
+            read, call.conn = call.conn, self._quick(call.conn)
             try:
-                with transaction(call.conn, wait=PUBLIC_WAIT):
-                    _apply_later(call, items)
+                with transaction(call.conn):
+                    if call.conn.engine == "postgresql":
+                        call.conn.execute(f"SET LOCAL lock_timeout = {PUBLIC_WAIT}")
+                    _apply_later(call, items, apart=len(items) > 1)
                 return
-            except Busy:
+            except Exception as error:
                 call.memo.pop("events", None)   # rolled back: raised by no one
+                if not _transient(error):
+                    log.exception("a %s could not be applied and is left out: %s",
+                                  items[0][0], _to_json(items[0][1]))
+                    return
+            finally:
+                call.conn = read
         self._keep(call.conn, items)
         with self.lock:
             self.backlog = True
@@ -4754,6 +4721,19 @@ class _Intake:
             store.executemany("INSERT INTO intake (kind, payload, created) VALUES (?, ?, ?)",
                               [(kind, _to_json(payload), now) for kind, payload in items])
 
+    def _quick(self, conn):
+        """The connection for applying a request's writes at once: on
+        PostgreSQL the request's (lock_timeout set in the transaction), on
+        SQLite one of this thread whose busy timeout is PUBLIC_WAIT."""
+        if conn.engine == "postgresql":
+            return conn
+        local = self.service._local
+        quick = getattr(local, "quick", None)
+        if quick is None:
+            quick = local.quick = connect(self.service.db)
+            quick.execute(f"PRAGMA busy_timeout = {PUBLIC_WAIT}")
+        return quick
+
     def _side_path(self):
         return f"{self.service.db}.intake"
 
@@ -4817,13 +4797,16 @@ def _transient(error):
         isinstance(error, sqlite3.OperationalError) and "locked" in str(error))
 
 
-def _apply_later(call, items):
+def _apply_later(call, items, apart=True):
     """Apply call.later() writes ``(kind, payload)`` in the caller's
-    transaction, each in a savepoint: one that fails (its list deleted since,
-    a bug) is logged with what it carried and left out, never blocking the
+    transaction, each in a savepoint (``apart``): one that fails (a bug, a
+    row gone) is logged with what it carried and left out, never blocking the
     others.  Waiting is not failing: a lock timeout, a deadlock or a busy
     database ends the transaction, and the writes are tried again."""
     for kind, payload in items:
+        if not apart:
+            LATER[kind](call, **payload)
+            continue
         try:
             with transaction(call.conn):
                 LATER[kind](call, **payload)
@@ -9279,6 +9262,9 @@ def create_app(db="campaignapi.db", **config):
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
+    # The secret now, not on first use: a public write applies on a second
+    # connection, and made then it would wait for the lock that one holds.
+    service.secret  # noqa: B018
     service.intake.resume()   # public writes an earlier run kept, applied now
     return app
 
