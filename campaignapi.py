@@ -4627,6 +4627,11 @@ class _Intake:
     def __init__(self, service):
         self.service, self.lock, self.thread = service, threading.Lock(), None
         self.backlog = None   # whether any are kept; None: not looked yet
+        # Threads of the app take turns at writing here rather than in the
+        # database's busy wait, and the one whose turn it is commits what the
+        # others brought meanwhile too (group commit): one transaction for
+        # many opens under load.
+        self.writer, self.waiting = threading.Lock(), []
 
     def take(self, call):
         """Apply the request's call.later() writes at once, or keep them."""
@@ -4637,26 +4642,50 @@ class _Intake:
             if self.backlog is None:
                 self.backlog = self.kept()
             backlog = self.backlog
-        if not backlog:
-            read, call.conn = call.conn, self._quick(call.conn)
-            try:
-                with transaction(call.conn):
-                    if call.conn.engine == "postgresql":
-                        call.conn.execute(f"SET LOCAL lock_timeout = {PUBLIC_WAIT}")
-                    _apply_later(call, items, apart=len(items) > 1)
-                return
-            except Exception as error:
-                call.memo.pop("events", None)   # rolled back: raised by no one
-                if not _transient(error):
-                    log.exception("a %s could not be applied and is left out: %s",
-                                  items[0][0], _to_json(items[0][1]))
-                    return
-            finally:
-                call.conn = read
+        if not backlog and self._apply_now(call, items):
+            return
         self._keep(call.conn, items)
         with self.lock:
             self.backlog = True
             self._start()
+
+    def _apply_now(self, call, items):
+        """Apply ``items`` in a transaction with those other threads bring
+        meanwhile; False when the locks did not come within PUBLIC_WAIT."""
+        mine = [call, items, None]   # the third: True applied, False to keep
+        with self.lock:
+            self.waiting.append(mine)
+        with self.writer:
+            if mine[2] is None:
+                with self.lock:
+                    turn, self.waiting = self.waiting, []
+                self._commit(turn)
+        return mine[2]
+
+    def _commit(self, turn):
+        conn = self._quick(turn[0][0].conn)
+        apart = len(turn) > 1 or len(turn[0][1]) > 1
+        try:
+            with transaction(conn):
+                if conn.engine == "postgresql":
+                    conn.execute(f"SET LOCAL lock_timeout = {PUBLIC_WAIT}")
+                for entry in turn:
+                    call, items, _ = entry
+                    read, call.conn = call.conn, conn
+                    try:
+                        _apply_later(call, items, apart=apart)
+                    finally:
+                        call.conn = read
+            done = True
+        except Exception as error:
+            for call, _, _ in turn:
+                call.memo.pop("events", None)   # rolled back: raised by no one
+            done = not _transient(error)
+            if done:   # one write alone, failing: logged and left out, as in _apply_later
+                log.exception("a %s could not be applied and is left out: %s",
+                              turn[0][1][0][0], _to_json(turn[0][1][0][1]))
+        for entry in turn:
+            entry[2] = done
 
     def resume(self):
         """Drain what an earlier run of the app left kept (at start)."""
@@ -4807,10 +4836,12 @@ def _apply_later(call, items, apart=True):
         if not apart:
             LATER[kind](call, **payload)
             continue
+        raised = len(call.memo.setdefault("events", []))
         try:
             with transaction(call.conn):
                 LATER[kind](call, **payload)
         except Exception as error:
+            del call.memo["events"][raised:]   # rolled back: raised by no one
             if _transient(error):
                 raise
             log.exception("a kept %s could not be applied and is left out: %s", kind,

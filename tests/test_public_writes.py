@@ -227,3 +227,32 @@ def test_many_public_writes_while_held_all_answer_fast_none_lost(db, sent, app):
     assert max(slowest) < FAST * 2
     settled(app)
     assert len(events(db)) == 80
+
+
+def test_threads_writing_at_once_share_commits_and_lose_nothing(db, sent, app, api):
+    """Without a held lock: the app's threads take turns, each turn commits
+    what the others brought meanwhile; every open and unsubscribe lands."""
+    import webtest
+
+    opens = [path_of(open_url_in(html)) for html in sent["html"].values()]
+    unsubscribes = [path_of(links_in(html)[3]) for html in sent["html"].values()]
+    seen = []
+    kept(app).service.config["on_event"] = lambda kind, payload: seen.append(kind)
+
+    def hit(index):
+        client = webtest.TestApp(app)
+        for _ in range(20):
+            assert client.get(opens[index % len(opens)]).status_int == 200
+        if index < len(unsubscribes):
+            assert "Unsubscribed" in client.post(unsubscribes[index]).text
+
+    threads = [threading.Thread(target=hit, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    settled(app)   # a write that met SQLite's lock for longer than 50 ms was kept
+    assert [kind for kind, *_ in events(db)].count("open") == 160
+    assert scalar(db, "SELECT count(*) FROM recipient WHERE status = 'unsubscribed'") == 3
+    assert sorted(seen) == ["recipient.unsubscribed"] * 3
+    assert not kept(app).kept()
