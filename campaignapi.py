@@ -3408,10 +3408,13 @@ def segment_query(conn, segment):
 
 def segment_size(conn, segment):
     """How many addresses a segment reaches: one address in two of its
-    datasources counts once.  Counted by SQLite, never loaded into Python."""
+    datasources counts once.  Counted by the database, never loaded into
+    Python; within one datasource an address is unique already (the unique
+    index folds case like lower() does), so there a plain count(*) serves."""
     where, params = segment_query(conn, segment)
-    return conn.execute(f"SELECT count(DISTINCT lower(r.email)) FROM recipient r WHERE {where}",
-                        params).fetchone()[0]
+    many = len(json.loads(segment["datasources"])) > 1
+    return conn.execute(f"SELECT {'count(DISTINCT lower(r.email))' if many else 'count(*)'} "
+                        f"FROM recipient r WHERE {where}", params).fetchone()[0]
 
 
 def _segment_record(call, row):
@@ -3548,22 +3551,36 @@ def segment_overlaps(conn, segments):
     """``{(a, b): addresses in both}`` for every pair of the given segment rows,
     ``(a, a)`` being a segment's size; one SQL statement over the recipients.
 
-    Each segment's addresses are collected once (UNION drops repeats), then the
-    collection is joined with itself on the address.
+    Each address gets the set of segments it is in as a bit mask (62 segments
+    to a column; a segment's bit is a power of two no other segment of its
+    column has, so the sum of the distinct bits is their union); the statement
+    counts the addresses of each distinct mask, and the pairs are summed from
+    those few rows here.  That grows like the recipients (a sort), where
+    joining the addresses with themselves grew like their square.
     """
     if not segments:
         return {}
+    if len(segments) == 1:
+        return {(segments[0]["id"],) * 2: segment_size(conn, segments[0])}
+    words = range((len(segments) + 61) // 62)
     parts, params = [], []
-    for segment in segments:
+    for index, segment in enumerate(segments):
         where, args = segment_query(conn, segment)
-        parts.append(f"SELECT ? AS seg, lower(r.email) AS address FROM recipient r WHERE {where}")
-        params.extend([segment["id"], *args])
-    sql = (f"WITH m AS MATERIALIZED ({' UNION '.join(parts)}) "
-           "SELECT a.seg, b.seg, count(*) FROM m a JOIN m b "
-           "ON b.address = a.address AND a.seg <= b.seg GROUP BY a.seg, b.seg")
+        masks = ", ".join(f"{1 << index % 62 if word == index // 62 else 0} AS m{word}"
+                          for word in words)
+        parts.append(f"SELECT {masks}, lower(r.email) AS address FROM recipient r WHERE {where}")
+        params.extend(args)
+    columns = ", ".join(f"m{word}" for word in words)
+    sums = ", ".join(f"sum(DISTINCT m{word}) AS m{word}" for word in words)
+    sql = (f"SELECT {columns}, count(*) FROM (SELECT {sums} FROM ({' UNION ALL '.join(parts)}) m "
+           f"GROUP BY address) a GROUP BY {columns}")
     counts = {}
-    for a, b, shared in conn.execute(sql, params):
-        counts[a, b] = counts[b, a] = shared
+    for *masks, shared in conn.execute(sql, params):
+        mask = sum(int(value) << 62 * word for word, value in enumerate(masks))
+        inside = [segment["id"] for index, segment in enumerate(segments) if mask >> index & 1]
+        for position, a in enumerate(inside):
+            for b in inside[position:]:
+                counts[a, b] = counts[b, a] = counts.get((a, b), 0) + shared
     return counts
 
 

@@ -161,6 +161,41 @@ def test_structure_orders_segments_and_counts_overlaps(api, db):
                         none: {vip: "0", made["segment"]: "0"}}
 
 
+def test_overlaps_of_many_segments_match_sets_of_addresses(api, db):
+    """65 segments (two mask columns) over two datasources where the same
+    address comes in other cases: every size and every pair's overlap equals
+    the one computed from Python sets of the lower-cased addresses."""
+    one = int(api.put("/datasource/0", name="one")["id"])
+    two = int(api.put("/datasource/0", name="two")["id"])
+    lists = {one: [f"u{i}@example.com" for i in range(40)],
+             two: [f"U{i}@Example.com" for i in range(0, 40, 3)] + [f"v{i}@example.com"
+                                                                    for i in range(12)]}
+    for datasource, addresses in lists.items():
+        add_recipients(db, datasource, [(address, {}) for address in addresses])
+    expected, segments = {}, []
+    for k in range(65):
+        chosen = [[one], [two], [one, two]][k % 3]
+        digit = str(k % 10)
+        segments.append(api.put("/segment/0", name=f"s{k}", datasources=chosen, conditions=[
+            {"field": "email", "op": "contains", "value": digit}] if k % 4 else [])["id"])
+        expected[segments[-1]] = {address.lower() for datasource in chosen
+                                  for address in lists[datasource]
+                                  if not k % 4 or digit in address}
+    conn = campaignapi.connect(db)
+    try:
+        rows = [conn.execute("SELECT * FROM segment WHERE id = ?", (int(s),)).fetchone()
+                for s in segments]
+        counts = campaignapi.segment_overlaps(conn, rows)
+        assert campaignapi.segment_overlaps(conn, rows[:1]) == {
+            (rows[0]["id"], rows[0]["id"]): len(expected[segments[0]])}
+        assert campaignapi.segment_overlaps(conn, []) == {}
+    finally:
+        conn.close()
+    for a in segments:
+        for b in segments:
+            assert counts.get((int(a), int(b)), 0) == len(expected[a] & expected[b]), (a, b)
+
+
 def test_structure_of_an_empty_campaign_and_bad_ids(api, stranger_api):
     c = api.put("/campaign/0", name="empty", accountprofile=1)["id"]
     assert api.get(f"/campaign/{c}/structure/0")["structure"]["segments"] == []
