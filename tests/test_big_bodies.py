@@ -1,0 +1,64 @@
+"""A big upload is decoded a piece at a time (other threads get the GIL
+between pieces); the pieces must accept and refuse exactly what the
+one-call decoders do."""
+
+import base64
+import binascii
+import os
+
+import pytest
+
+import campaignapi
+from helpers import database
+
+PIECE = campaignapi._PIECE
+
+
+def _outcome(decode, data):
+    try:
+        return decode(data)
+    except (binascii.Error, ValueError) as error:
+        return type(error)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 4, PIECE // 4 * 3, PIECE // 4 * 3 + 1,
+                                  3 * PIECE + 7])
+def test_base64_pieces_decode_like_b64decode(size):
+    text = base64.b64encode(os.urandom(size)).decode("ascii")
+    step = PIECE // 4 * 4
+    variants = [text, text + "!", text[:-1], "====" + text, text[:4] + "=" + text[4:],
+                text + "AAAA", text.rstrip("=") + "=A==",
+                # padding that ends exactly one piece, data after it
+                "A" * (step - 2) + "==" + text[:8]]
+    for data in variants:
+        expected = _outcome(lambda d: base64.b64decode(d, validate=True), data)
+        assert _outcome(campaignapi._b64_pieces, data) == expected, (size, data[:12], data[-12:])
+
+
+@pytest.mark.parametrize("body", [
+    b"", b'{"a": 1}', "\ufeff{\"\u00e9\": \"\u00fc\"}".encode("utf-8"),
+    # a two-byte character split across the pieces' boundary
+    b"a" * (PIECE - 1) + "\u00e9".encode("utf-8") + b"b" * PIECE,
+    b"\xff", b"a" * (PIECE - 1) + b"\xc3", b"a" * PIECE + b"\xed\xa0\x80"])
+def test_body_text_decodes_like_utf8_sig(body):
+    def one_call(data):
+        return data.decode("utf-8-sig")
+    assert _outcome(campaignapi._body_text, body) == _outcome(one_call, body)
+
+
+def test_a_big_base64_upload_imports_every_row(api, db):
+    """Through the app: a base64 upload over several pieces, every row kept."""
+    ds = api.put("/datasource/0", name="big")["id"]
+    rows = 60_000     # about 1.5 MB of base64: more than one piece
+    csv = "email,n\n" + "".join(f"user{i}@example.com,{i}\n" for i in range(rows))
+    upload = base64.b64encode(csv.encode()).decode("ascii")
+    assert len(upload) > PIECE
+    made = api.put(f"/datasource/{ds}/import/0", name="big", originalfile="big.csv",
+                   __uploadtype__="base64", __uploaddata__=upload)["id"]
+    record = api.get(f"/datasource/{ds}/import/{made}")["import"]
+    assert (record["status"], record["inserted"], record["skipped"]) == ("finished", str(rows), "0")
+    with database(db) as conn:
+        assert conn.execute("SELECT count(*), count(DISTINCT email) FROM recipient "
+                            "WHERE datasource = ?", (int(ds),)).fetchone()[:] == (rows, rows)
+        assert conn.execute("SELECT 1 FROM recipient WHERE email = ?",
+                            (f"user{rows - 1}@example.com",)).fetchone()
