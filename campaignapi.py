@@ -4084,12 +4084,15 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     for link in campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
         where, params = segment_query(conn, segment)
+        # In address order (NOCASE, as the outbox's indexes on to_addr are):
+        # those indexes then grow at their end instead of at random pages,
+        # which past the page cache cost a page read per row.
         conn.execute(
             "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, "
             "status, created, next_try) "
             f"SELECT ?, 'campaign', ?, ?, r.id, r.email, 'queued', ?, ? FROM recipient r WHERE {where} "
             "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
-            "ORDER BY r.id ON CONFLICT DO NOTHING",
+            "ORDER BY r.email ON CONFLICT DO NOTHING",
             (account, batch["id"], link["message"], now, now, *params, account))
         _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
