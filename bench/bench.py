@@ -2,7 +2,7 @@
 
     python bench/bench.py [--rows N] [--emails M] [--only NAME] [--seconds S]
                           [--rounds R] [--sinks K] [--signups S] [--db sqlite|postgresql|URL]
-                          [--hosts-recipients H]
+                          [--hosts-recipients H] [--public-rate R]
 
 Prints one line per benchmark and, last, one JSON line with every figure.
 The machines are shared and noisy, so every figure that matters is a ratio to
@@ -56,6 +56,17 @@ in the same run:
            asking GET /v1/campaign/{id} with a key; that GET's p50/p99 during
            the burst vs the same GET alone just before.  Target: every
            sign-up 200 (no 5xx) and the API answering throughout.
+  during-import
+           While one --rows import (base64 CSV, one PUT over HTTP) runs on
+           a server (waitress, 8 threads), a client fires the five public
+           writes: GET open, GET click, POST unsubscribe, POST subscribe
+           (sign-up), POST confirm, each at --public-rate a second (20),
+           open-loop: a request's latency counts from when it was due, so a
+           stall counts whole.  p50/p99/max and errors per route, the
+           import's time, and when the slow ones were due.  Then every
+           write answered must be in the database within 30 s of the
+           import's end (the intake applies late ones) and the import
+           whole.  Target: p99 < 100 ms, no error, every effect there.
 
   hosts    (PostgreSQL only) several hosts on one machine: two API processes
            and two worker processes on one database, H recipients (50,000)
@@ -171,10 +182,10 @@ class Client:
         return envelope["data"]
 
 
-def make_rows(n, seed=7):
-    """N CSV rows: 1% invalid emails, 1% repeated addresses (other case)."""
+def iter_rows(n, seed=7):
+    """N CSV rows, one at a time: 1% invalid emails, 1% repeated addresses
+    (other case)."""
     rng = random.Random(seed)
-    rows = []
     for i in range(n):
         roll = rng.random()
         if roll < 0.01:
@@ -183,17 +194,48 @@ def make_rows(n, seed=7):
             email = f"User{rng.randrange(i)}@Example.COM"
         else:
             email = f"user{i}@example.com"
-        rows.append((email, f"First{i}", f"Last{i % 977}", CITIES[i % len(CITIES)],
-                     str(18 + i % 70), f"{rng.random() * 100:.2f}"))
-    return rows
+        yield (email, f"First{i}", f"Last{i % 977}", CITIES[i % len(CITIES)],
+               str(18 + i % 70), f"{rng.random() * 100:.2f}")
+
+
+def make_rows(n, seed=7):
+    return list(iter_rows(n, seed))
+
+
+def write_import_body(path, n):
+    """The JSON body of an import of N rows (iter_rows, base64) streamed to
+    ``path``, so that ten million rows never sit in memory; the upload's
+    size in MB (the CSV, before base64)."""
+    chunk, size = io.BytesIO(), 0
+    with open(path, "wb") as out:
+        out.write(b'{"name": "bench", "originalfile": "bench.csv", "__uploadtype__": "base64", '
+                  b'"__uploaddata__": "')
+
+        def flush(final=False):
+            data = chunk.getvalue()
+            cut = len(data) if final else len(data) - len(data) % 3  # whole base64 groups
+            out.write(base64.b64encode(data[:cut]))
+            chunk.seek(0)
+            chunk.truncate()
+            chunk.write(data[cut:])
+
+        for line in _csv_lines(iter_rows(n)):
+            size += chunk.write(line)
+            if chunk.tell() >= 3 << 18:
+                flush()
+        flush(final=True)
+        out.write(b'"}')
+    return size / 2**20
+
+
+def _csv_lines(rows):
+    yield ("email," + ",".join(FIELDS) + "\n").encode("utf-8")
+    for row in rows:
+        yield (",".join(row) + "\n").encode("utf-8")
 
 
 def rows_csv(rows):
-    out = io.StringIO()
-    out.write("email," + ",".join(FIELDS) + "\n")
-    for row in rows:
-        out.write(",".join(row) + "\n")
-    return out.getvalue().encode("utf-8")
+    return b"".join(_csv_lines(rows))
 
 
 def new_db(tmp, name="bench"):
@@ -224,16 +266,21 @@ def new_service(tmp, **config):
     return db, app, Client(app, secret)
 
 
-def fill_recipients(db, datasource, n):
-    """N active recipients straight into the table (setup, not measured)."""
+def fill_recipients(db, datasource, n, prefix="user", status="active"):
+    """N recipients (PREFIX{i}@example.com) straight into the table (setup,
+    not measured); unconfirmed ones as if their confirmation email had gone."""
     conn = campaignapi.connect(db)
     with campaignapi.transaction(conn):
         now = conn.sql["now"]
         conn.executemany(
-            "INSERT INTO recipient (datasource, email, data, created, updated) "
-            f"VALUES (?, ?, ?, {now}, {now})",
-            ((datasource, f"user{i}@example.com", "{}") for i in range(n)))
+            "INSERT INTO recipient (datasource, email, data, status, confirm_sent, created, "
+            f"updated) VALUES (?, ?, '{{}}', ?, CASE WHEN ? = 'unconfirmed' THEN {now} END, "
+            f"{now}, {now})",
+            ((datasource, f"{prefix}{i}@example.com", status, status) for i in range(n)))
+        ids = [row[0] for row in conn.execute(
+            "SELECT id FROM recipient WHERE datasource = ? ORDER BY id", (datasource,))]
     conn.close()
+    return ids
 
 
 #: A newsletter's html: three links to track, the unsubscribe link not.
@@ -538,9 +585,11 @@ sys.path.insert(0, sys.argv[4])
 logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "Task queue depth" per request
 import campaignapi
 mode, db, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if mode in ("api", "signup"):
+if mode in ("api", "signup", "public"):
     # The sign-up burst comes from one client address: no per-client limit.
-    app = campaignapi.create_app(db, **({"signup_rate": 0} if mode == "signup" else {}))
+    # "public": the during-import server, which takes a big import's body.
+    app = campaignapi.create_app(db, **({"signup_rate": 0} if mode == "signup" else {}), **(
+        {"signup_rate": 0, "max_body": 2**31} if mode == "public" else {}))
 else:
     # The same JSON the API answers, from a bare route.
     body = open(sys.argv[5], "rb").read()
@@ -676,6 +725,11 @@ def tracked_batch(db, recipients, events, campaign=None):
             conn.executemany("INSERT INTO batch_link (batch, message, link, url) VALUES (?, 1, ?, ?)",
                              [(batch, i, f"https://shop.example/{i}") for i in range(5)])
             first = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM outbox").fetchone()[0]
+            # Spread over 48 hours, as text in the one format of both engines.
+            when = ("datetime('2026-01-01 09:00:00', '+' || (i % 48) || ' hours', "
+                    "'+' || (i % 3600) || ' seconds')" if DB == "sqlite" else
+                    "to_char(timestamp '2026-01-01 09:00:00' + (i % 48) * interval '1 hour' "
+                    "+ (i % 3600) * interval '1 second', 'YYYY-MM-DD HH24:MI:SS')")
             conn.execute(
                 "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ? - 1) "
                 "INSERT INTO outbox (id, account, kind, batch, message, recipient, to_addr, status, "
@@ -691,8 +745,7 @@ def tracked_batch(db, recipients, events, campaign=None):
                 "ELSE 'complaint' END, ?, ?, ? + (i * 7919) % ?, "
                 "'user' || ((i * 7919) % ?) || '@example.com', "
                 "CASE WHEN i % 10 IN (7, 8) THEN i % 5 END, "
-                "datetime('2026-01-01 09:00:00', '+' || (i % 48) || ' hours', "
-                "'+' || (i % 3600) || ' seconds') FROM n",
+                f"{when} FROM n",
                 (events, events, account, campaign, batch, first, recipients, recipients))
         conn.execute("ANALYZE")
         return campaign, batch
@@ -826,10 +879,17 @@ def bench_tracking(args, tmp):
     return figures
 
 
+def percentile(values, percent):
+    """The nearest-rank percentile of ``values`` (the smallest value with at
+    least ``percent`` % of them at or below it); None of none."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[max(0, -(-len(ordered) * percent // 100) - 1)]
+
+
 def _latencies(seconds_list):
-    ordered = sorted(seconds_list)
-    return {"p50_ms": round(ordered[len(ordered) // 2] * 1000, 2),
-            "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000, 2)}
+    return {f"p{p}_ms": round(percentile(seconds_list, p) * 1000, 2) for p in (50, 99)}
 
 
 def bench_signup(args, tmp):
@@ -906,6 +966,246 @@ def bench_signup(args, tmp):
             "server_errors": sum(status >= 500 for status in statuses + read_statuses),
             "reads": len(during), **_latencies(during),
             **{f"alone_{k}": v for k, v in _latencies(alone).items()}}
+
+
+# During an import: the public routes, open-loop --------------------------
+
+#: The five public writes a big import must not stall, and what each answers.
+PUBLIC_ROUTES = ("open", "click", "unsubscribe", "signup", "confirm")
+PUBLIC_EXPECTED = {"open": 200, "click": 302, "unsubscribe": 200, "signup": 200, "confirm": 200}
+
+
+def latencies_from_due(dues, ends):
+    """Each request's latency counted from when it was DUE, not from when it
+    was sent: a client held up by a stalled server (or by its own lateness)
+    still counts the whole wait (no coordinated omission)."""
+    return [end - due for due, end in zip(dues, ends)]
+
+
+def latency_figures(seconds):
+    """p50, p99 and max of latencies in seconds, in ms."""
+    if not seconds:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {"p50_ms": round(percentile(seconds, 50) * 1000, 2),
+            "p99_ms": round(percentile(seconds, 99) * 1000, 2),
+            "max_ms": round(max(seconds) * 1000, 2)}
+
+
+async def _public_request(port, raw, due):
+    """One request on a connection of its own: (due, end, status, sent)."""
+    import asyncio
+
+    status, sent = None, time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 60)
+        try:
+            writer.write(raw)
+            status = int((await asyncio.wait_for(reader.readline(), 60)).split()[1])
+            await asyncio.wait_for(reader.read(), 60)   # the answer, to the close
+        finally:
+            writer.close()
+    except (OSError, ValueError, IndexError, asyncio.TimeoutError):
+        pass
+    return due, time.perf_counter(), status, sent
+
+
+async def _open_loop(port, requests, rate, done):
+    """Fire each route's requests at ``rate`` a second each, on a schedule
+    that does not wait for answers (open loop), until ``done`` is set;
+    {route: [(due, end, status, sent)]}; the start time is ``done.started``."""
+    import asyncio
+
+    started = done.started = time.perf_counter()
+
+    async def route(number, name):
+        tasks, i = [], 0
+        while not done.is_set():
+            # The routes take turns within each 1/rate: not all at once.
+            due = started + (i + number / len(requests)) / rate
+            await asyncio.sleep(max(0, due - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(_public_request(port, requests[name](i), due)))
+            i += 1
+        return name, await asyncio.gather(*tasks)
+
+    return dict(await asyncio.gather(*(route(n, name) for n, name in enumerate(requests))))
+
+
+async def _warm_up(port, requests):
+    for name in requests:
+        for i in (-1, -2, -3):
+            await _public_request(port, requests[name](i), time.perf_counter())
+
+
+def _raw(method, path, body=b"", content_type="application/json"):
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+def _public_setup(db, api):
+    """What the public routes need: a tracked, sent batch (opens, clicks),
+    recipients to unsubscribe, a sign-up list and unconfirmed sign-ups to
+    confirm; {route: i -> raw request} and the ids to count effects by."""
+    profile = api("PUT", "/accountprofile/0", name="list", fromaddress="list@example.com")["id"]
+    people = api("PUT", "/datasource/0", name="people")["id"]
+    signups = api("PUT", "/datasource/0", name="list", signup=1, fromprofile=int(profile))["id"]
+    campaign = api("PUT", "/campaign/0", name="news", accountprofile=int(profile),
+                   tracking=1)["id"]
+    _, batch = tracked_batch(db, 1000, 0, campaign=int(campaign))
+    # Enough of each for 15 minutes at 20/s: every write names a row of its own.
+    many = 20_000
+    readers = fill_recipients(db, int(people), many, prefix="reader")
+    waiting = fill_recipients(db, int(signups), many, prefix="waiting", status="unconfirmed")
+    conn = campaignapi.connect(db)
+    secret = campaignapi._stored_secret(conn)
+    emails = [row[0] for row in conn.execute("SELECT id FROM outbox WHERE batch = ? ORDER BY id",
+                                             (batch,))]
+    conn.close()
+    sign, expires = campaignapi.sign_token, campaignapi._today() + campaignapi.CONFIRM_DAYS
+    requests = {
+        "open": lambda i: _raw("GET", "/v1/open/" + sign(secret, "open", emails[i % 1000])),
+        "click": lambda i: _raw("GET", "/v1/click/" + sign(secret, "click", emails[i % 1000],
+                                                           i % 5)),
+        "unsubscribe": lambda i: _raw("POST", "/v1/unsubscribe/" + sign(
+            secret, "unsubscribe", int(campaign), readers[i % many]),
+            b"List-Unsubscribe=One-Click", "application/x-www-form-urlencoded"),
+        "signup": lambda i: _raw("POST", f"/v1/subscribe/{signups}",
+                                 json.dumps({"email": f"signup{i}@example.net"}).encode()),
+        "confirm": lambda i: _raw("POST", "/v1/confirm/" + sign(secret, "confirm",
+                                                                waiting[i % many], expires)),
+    }
+    return requests, {"people": int(people), "signups": int(signups), "many": many}
+
+
+def _public_effects(db, datasource, ids):
+    """What the public writes and the import left in the database."""
+    conn = campaignapi.connect(db)
+    try:
+        one = lambda sql, *params: conn.execute(sql, params).fetchone()[0]  # noqa: E731
+        return {
+            "open": one("SELECT count(*) FROM event WHERE kind = 'open'"),
+            "click": one("SELECT count(*) FROM event WHERE kind = 'click'"),
+            "unsubscribe": one("SELECT count(*) FROM recipient WHERE datasource = ? "
+                               "AND status = 'unsubscribed'", ids["people"]),
+            "signup": one("SELECT count(*) FROM recipient WHERE datasource = ? "
+                          "AND email LIKE 'signup%'", ids["signups"]),
+            "confirm": one("SELECT count(*) FROM recipient WHERE datasource = ? "
+                           "AND email LIKE 'waiting%' AND status = 'active'", ids["signups"]),
+            "imported": one("SELECT count(*) FROM recipient WHERE datasource = ?", datasource),
+        }
+    finally:
+        conn.close()
+
+
+def expected_effects(answered, many):
+    """What the answered requests must have left: each open and click an
+    event, each unsubscribe, sign-up and confirm a row of its own (the
+    i-th request names row i modulo ``many``).  ``answered``: {route:
+    [i of each request answered as expected]}."""
+    counts = {name: len(answered.get(name, ())) for name in ("open", "click")}
+    for name in ("unsubscribe", "confirm"):
+        counts[name] = len({i % many for i in answered.get(name, ())})
+    counts["signup"] = len(set(answered.get("signup", ())))
+    return counts
+
+
+def _http_import(port, headers, datasource, body_path):
+    """One PUT of the import body over HTTP: (seconds, import record id)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600, blocksize=1 << 20)
+    started = time.perf_counter()
+    with open(body_path, "rb") as body:
+        conn.request("PUT", f"/v1/datasource/{datasource}/import/0", body=body, headers={
+            **headers, "Content-Type": "application/json",
+            "Content-Length": str(os.path.getsize(body_path))})
+        answer = conn.getresponse()
+        envelope = json.loads(answer.read())
+    seconds = time.perf_counter() - started
+    if answer.status != 200:
+        raise RuntimeError(f"the import failed: {answer.status} {envelope}")
+    return seconds, envelope["data"]["id"]
+
+
+def bench_during_import(args, tmp):
+    """The five public routes at --public-rate each, open-loop, for the whole
+    of a --rows import over HTTP; then every write they answered must be in
+    the database within 30 s, and the import whole."""
+    import asyncio
+
+    body_path = os.path.join(tmp, "body.json")
+    upload_mb = write_import_body(body_path, args.rows)
+    db, app, api = new_service(tmp)
+    datasource = api("PUT", "/datasource/0", name="import")["id"]
+    requests, ids = _public_setup(db, api)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, "public", db, str(port), ROOT],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        # Warm up (the first requests of a process are slow): requests -1 to
+        # -3 of each route, which name rows of their own, before the figures.
+        asyncio.run(_warm_up(port, requests))
+        before = _public_effects(db, int(datasource), ids)
+        done, imported = threading.Event(), {}
+
+        def run_import():
+            try:
+                imported["seconds"], imported["id"] = _http_import(port, api.headers,
+                                                                   datasource, body_path)
+            except Exception as error:  # reported below, after the load stops
+                imported["error"] = error
+            finally:
+                imported["ended"] = time.perf_counter()
+                done.set()
+
+        importer = threading.Thread(target=run_import)
+        importer.start()
+        results = asyncio.run(_open_loop(port, requests, args.public_rate, done))
+        importer.join()
+        if "error" in imported:
+            raise imported["error"]
+        record = api("GET", f"/datasource/{datasource}/import/{imported['id']}")["import"]
+        figures = {"rows": args.rows, "upload_mb": round(upload_mb, 1),
+                   "import_seconds": round(imported["seconds"], 2),
+                   "inserted": int(record["inserted"]), "rate": args.public_rate}
+        answered = {}
+        for name, outcomes in results.items():
+            good = [i for i, (_, _, status, _) in enumerate(outcomes)
+                    if status == PUBLIC_EXPECTED[name]]
+            answered[name] = good
+            latencies = latencies_from_due([o[0] for o in outcomes], [o[1] for o in outcomes])
+            worst = max(range(len(outcomes)), key=latencies.__getitem__, default=None)
+            figures[name] = {
+                "requests": len(outcomes), "errors": len(outcomes) - len(good),
+                **latency_figures(latencies),
+                # Where the worst one fell (seconds after the import began),
+                # and how late the client itself sent any (its own share).
+                "worst_at_s": None if worst is None else round(outcomes[worst][0] - done.started, 2),
+                "client_late_max_ms": round(max((o[3] - o[0] for o in outcomes), default=0)
+                                            * 1000, 2)}
+        # When the slow ones were due (seconds after the import began): a
+        # stall of the server shows as one window across all five routes.
+        slow = sorted(round(due - done.started, 2) for outcomes in results.values()
+                      for due, end, _, _ in outcomes if end - due > 0.1)
+        figures["over_100ms"] = {"count": len(slow), "first_due_s": slow[0] if slow else None,
+                                 "last_due_s": slow[-1] if slow else None}
+        expected = {name: before[name] + count for name, count in {
+            **expected_effects(answered, ids["many"]), "imported": figures["inserted"]}.items()}
+        # The intake applies what waited for the import's lock after it:
+        # poll up to 30 s from the import's end.
+        while True:
+            seen = _public_effects(db, int(datasource), ids)
+            waited = time.perf_counter() - imported["ended"]
+            if seen == expected or waited > 30:
+                break
+            time.sleep(0.5)
+        figures.update(effects_expected=expected, effects_seen=seen,
+                       effects_ok=seen == expected, effects_seconds=round(waited, 1))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return figures
 
 
 def bench_hosts(args, tmp):
@@ -991,7 +1291,7 @@ def bench_hosts(args, tmp):
 
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
            "api": bench_api, "archive": bench_archive, "tracking": bench_tracking,
-           "signup": bench_signup, "hosts": bench_hosts}
+           "signup": bench_signup, "hosts": bench_hosts, "during-import": bench_during_import}
 STEPS = {**BENCHES, "import-api": bench_import_api}  # what a child process can run
 
 TARGETS = {
@@ -1004,6 +1304,8 @@ TARGETS = {
     "tracking": lambda f: f["open_ratio"] >= 0.8 and f["click_ratio"] >= 0.8,
     "signup": lambda f: f["errors"] == 0 and f["server_errors"] == 0 and f["reads"] > 0
     and f["stored"] == f["signups"],
+    "during-import": lambda f: f["effects_ok"] and all(
+        f[name]["errors"] == 0 and f[name]["p99_ms"] < 100 for name in PUBLIC_ROUTES),
     "hosts": lambda f: f["twice"] == 0 and f["lost"] == 0 and f["failed_in_flight"] <= 1,
 }
 
@@ -1042,6 +1344,21 @@ def summary(name, f):
                 f"during the burst p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms ({f['reads']} "
                 f"reads; alone p50 {f['alone_p50_ms']} ms  p99 {f['alone_p99_ms']} ms)  "
                 f"errors {f['errors']}")
+    if name == "during-import":
+        return "\n".join([
+            f"during-import {f['rows']:,} rows imported over HTTP in {f['import_seconds']} s "
+            f"({f['inserted']:,} new), meanwhile {f['rate']}/s of each public route, open-loop "
+            f"(latency from each request's due time):",
+            *(f"         {name:11} {f[name]['requests']:>6} requests  p50 {f[name]['p50_ms']} ms"
+              f"  p99 {f[name]['p99_ms']} ms  max {f[name]['max_ms']} ms (at "
+              f"{f[name]['worst_at_s']} s; client late <= {f[name]['client_late_max_ms']} ms)  "
+              f"errors {f[name]['errors']}" for name in PUBLIC_ROUTES),
+            f"         over 100 ms: {f['over_100ms']['count']} requests, due from "
+            f"{f['over_100ms']['first_due_s']} s to {f['over_100ms']['last_due_s']} s after the "
+            f"import began",
+            f"         effects {'all' if f['effects_ok'] else 'NOT all'} in the database "
+            f"{f['effects_seconds']} s after the import: {f['effects_seen']}"
+            + ("" if f["effects_ok"] else f" (expected {f['effects_expected']})")])
     if name == "hosts":
         return (f"hosts    {f['recipients']:>9,} recipients  sent in {f['send_seconds']} s "
                 f"({f['emails_per_s']}/s) by 2 workers, one killed; drained "
@@ -1060,7 +1377,8 @@ def _child(name, args, body=None):
                "--rows", str(args.rows), "--emails", str(args.emails),
                "--seconds", str(args.seconds), "--sinks", str(args.sinks),
                "--rounds", str(args.rounds), "--signups", str(args.signups), "--db", DB,
-               "--hosts-recipients", str(args.hosts_recipients)]
+               "--hosts-recipients", str(args.hosts_recipients),
+               "--public-rate", str(args.public_rate)]
     command += ["--body", body] if body else []
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [l for l in done.stdout.splitlines() if l.startswith("FIGURES ")]
@@ -1086,6 +1404,8 @@ def main():
                         help="sqlite, postgresql (a throwaway cluster) or a postgresql:// URL")
     parser.add_argument("--hosts-recipients", type=int, default=50_000,
                         help="recipients of the hosts benchmark (PostgreSQL only)")
+    parser.add_argument("--public-rate", type=float, default=20,
+                        help="requests/s of each public route in the during-import benchmark")
     parser.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)
     parser.add_argument("--body", help=argparse.SUPPRESS)
     args = parser.parse_args()
