@@ -1289,10 +1289,257 @@ def bench_hosts(args, tmp):
         sink.stop()
 
 
+# Scale: each step at N/10 and N, how it grows -------------------------------
+
+SCALE_STEPS = ("import", "segment", "structure", "verify", "queue", "archive")
+#: Faster than this growth over x10 rows, a step's statements and plans are printed.
+GROWTH_LIMIT = 12.5
+
+
+def growth(small, large):
+    """large / small (x10 rows: 10 is linear, less is better); None where
+    either is missing or the small one took no measurable time."""
+    if small is None or large is None or small <= 0:
+        return None
+    return round(large / small, 1)
+
+
+class StatementTimes:
+    """Seconds each SQL statement spends in execute, while on; the ones in
+    flight (a step that does not finish is stuck in one)."""
+
+    def __init__(self):
+        self.totals, self.running, self.lock = {}, {}, threading.Lock()
+
+    def install(self):
+        """Wrap the connections' execute and executemany, both engines."""
+        for cls in (campaignapi._SqliteConnection, campaignapi._PgCursor):
+            for method in ("execute", "executemany"):
+                setattr(cls, method, self._timed(getattr(cls, method), method == "execute"))
+
+    def _timed(self, original, keep_params):
+        def timed(this, sql, params=()):
+            key = threading.get_ident()
+            started = time.perf_counter()
+            # executemany's rows are not kept: its plan is not explained.
+            shown = params if keep_params else None
+            self.running[key] = (sql, shown, started)
+            try:
+                return original(this, sql, params)
+            finally:
+                del self.running[key]
+                with self.lock:
+                    calls, seconds, _ = self.totals.get(sql, (0, 0.0, None))
+                    self.totals[sql] = (calls + 1, seconds + time.perf_counter() - started, shown)
+        return timed
+
+    def top(self, db, count=3):
+        """The statements that took longest (those in flight first), each
+        with its plan on a connection of its own."""
+        now = time.perf_counter()
+        rows = [{"sql": sql, "params": params, "calls": 1, "seconds": now - started,
+                 "in_flight": True} for sql, params, started in list(self.running.values())]
+        with self.lock:
+            ordered = sorted(self.totals.items(), key=lambda item: -item[1][1])
+        rows += [{"sql": sql, "params": params, "calls": calls, "seconds": seconds,
+                  "in_flight": False} for sql, (calls, seconds, params) in ordered[:count]]
+        conn = campaignapi.connect(db)
+        try:
+            for row in rows:
+                row["plan"] = explain(conn, row["sql"], row.pop("params"))
+                row["seconds"] = round(row["seconds"], 3)
+                row["sql"] = " ".join(row["sql"].split())[:600]
+        finally:
+            conn.close()
+        return rows
+
+
+def explain(conn, sql, params):
+    """The plan of a statement as lines: EXPLAIN QUERY PLAN (SQLite) or
+    EXPLAIN (PostgreSQL)."""
+    if params is None or not sql.lstrip().upper().startswith(
+            ("SELECT", "WITH", "INSERT", "UPDATE", "DELETE")):
+        return []
+    try:
+        if conn.engine == "sqlite":
+            return [f"{row[1]}->{row[0]} {row[3]}" for row in
+                    conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
+        return [row[0] for row in conn.execute("EXPLAIN " + sql, params)]
+    except Exception as error:  # a plan that cannot be had is said, not fatal
+        return [f"(no plan: {str(error).splitlines()[0][:200]})"]
+
+
+def _scale_step_parts(name, db, state, rows, body):
+    """(setup, measured) of one scale step: callables; ``measured`` returns
+    {figure: seconds} and may set more in ``state``."""
+    app = campaignapi.create_app(db, max_body=2**31)
+    api = Client(app, state["secret"]) if "secret" in state else None
+
+    def timed(method, path):
+        started = time.perf_counter()
+        api(method, path)
+        return time.perf_counter() - started
+
+    if name == "import":
+        def setup():
+            state["secret"] = campaignapi.create_key(db, "bench@example.com")
+            state["datasource"] = Client(app, state["secret"])(
+                "PUT", "/datasource/0", name="bench")["id"]
+
+        def measured():
+            client = Client(app, state["secret"])
+            with open(body, "rb") as f:
+                started = time.perf_counter()
+                status, envelope = wsgi_call(app, "PUT", f"/v1/datasource/{state['datasource']}/"
+                                             "import/0", headers=client.headers, body_file=f)
+                seconds = time.perf_counter() - started
+            if status != 200:
+                raise RuntimeError(f"import failed: {status} {envelope}")
+            return {"seconds": seconds}
+        return setup, measured
+    if name == "segment":
+        def setup():
+            ds = [int(state["datasource"])]
+            state["everyone"] = api("PUT", "/segment/0", name="everyone", datasources=ds)["id"]
+            state["berlin"] = api("PUT", "/segment/0", name="berlin", datasources=ds, conditions=[
+                {"field": "city", "op": "eq", "value": "Berlin"}])["id"]
+
+        def measured():
+            return {"seconds": timed("GET", f"/segment/{state['everyone']}"),
+                    "with_condition_seconds": timed("GET", f"/segment/{state['berlin']}")}
+        return setup, measured
+    if name in ("structure", "verify"):
+        def setup():
+            if "campaign" in state:
+                return
+            campaign = build_campaign(api, state["datasource"])
+            message = api("PUT", "/message/0", name="berlin", subject="Hallo {{email}}",
+                          fromaddress="bench@example.com", html="<p>Hallo</p><a href="
+                          "'{{unsubscribe_url}}'>x</a>", text="Hallo {{unsubscribe_url}}")["id"]
+            api("PUT", f"/campaign/{campaign}/message/0", segment=int(state["berlin"]),
+                message=int(message))
+            state["campaign"] = campaign
+
+        return setup, lambda: {"seconds": timed("GET", f"/campaign/{state['campaign']}/{name}/0")}
+    if name == "queue":
+        def setup():
+            api("PUT", f"/campaign/{state['campaign']}/send/0", timestamp="2000-01-01 00:00:00")
+
+        def measured():
+            started = time.perf_counter()
+            campaignapi.process_due(db)
+            return {"seconds": time.perf_counter() - started}
+        return setup, measured
+    if name == "archive":
+        def setup():
+            state["archive"] = tracked_batch(db, rows, int(rows * 0.3))
+
+        def measured():
+            campaign, batch = state["archive"]
+            whole = timed("GET", f"/campaign/{campaign}/archive/{campaign}")
+            return {"seconds": whole, "batch_seconds": timed(
+                "GET", f"/campaign/{campaign}/batcharchive/{batch}")}
+        return setup, measured
+    raise ValueError(name)
+
+
+def bench_scale_step(args, tmp):
+    """One scale step on the scale run's database: its setup, then the
+    measured part in a thread given --step-limit seconds; on timeout the
+    statements in flight and their plans, and this process ends."""
+    with open(args.scale_state) as f:
+        state = json.load(f)
+    setup, measured = _scale_step_parts(args.step, args.scale_db, state, args.rows, args.body)
+    setup()
+    rss_before = peak_rss_mb()
+    times = StatementTimes()
+    times.install()
+    outcome = {}
+
+    def run():
+        try:
+            outcome.update(measured())
+        except Exception as error:  # reported as the step's failure
+            outcome["error"] = f"{type(error).__name__}: {error}"
+
+    started = time.perf_counter()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(args.step_limit)
+    spent = time.perf_counter() - started
+    figures = {"rows": args.rows, "peak_rss_mb": round(peak_rss_mb(), 1),
+               "rss_before_mb": round(rss_before, 1), "finished": not worker.is_alive(),
+               **{k: round(v, 3) if isinstance(v, float) else v for k, v in outcome.items()}}
+    if not figures["finished"]:
+        figures["seconds"] = round(spent, 1)   # at least this long
+        if args.scale_db.startswith("postgresql"):
+            _cancel_others(args.scale_db)
+    figures["statements"] = times.top(args.scale_db)
+    with open(args.scale_state, "w") as f:
+        json.dump(state, f)
+    if not figures["finished"]:
+        print("FIGURES " + json.dumps(figures), flush=True)
+        os._exit(0)   # the stuck statement's thread cannot be joined
+    return figures
+
+
+def _cancel_others(db):
+    """Cancel the statements still running on ``db`` (a step that did not
+    finish), so they do not load the machine for the next step."""
+    conn = campaignapi.connect(db)
+    try:
+        conn.execute("SELECT pg_cancel_backend(pid) FROM pg_stat_activity "
+                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    finally:
+        conn.close()
+
+
+def bench_scale(args, tmp):
+    """Every scale step at N/10 then N (a database each), each step in a
+    process of its own (its peak RSS its own), each limited to
+    --step-limit seconds."""
+    sizes = {"small": args.rows // 10, "large": args.rows}
+    figures = {"rows": args.rows, "step_limit": args.step_limit}
+    for size, rows in sizes.items():
+        db = new_db(tmp, f"scale{rows}")
+        state_path, body = os.path.join(tmp, f"state{rows}.json"), os.path.join(tmp, "body.json")
+        with open(state_path, "w") as f:
+            json.dump({}, f)
+        upload_mb = write_import_body(body, rows)
+        for step in SCALE_STEPS:
+            started = time.perf_counter()
+            try:
+                result = _child("scale-step", args, body=body, extra=[
+                    "--step", step, "--scale-db", db, "--scale-state", state_path,
+                    "--rows", str(rows)], timeout=args.step_limit * 4 + 600)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                result = {"finished": False, "error": str(error)[-500:],
+                          "seconds": round(time.perf_counter() - started, 1)}
+            if step == "import":
+                result["upload_mb"] = round(upload_mb, 1)
+                result["rss_ratio"] = round(result.get("peak_rss_mb", 0) / upload_mb, 2)
+                os.remove(body)
+            figures[f"{step}_{size}"] = result
+            print(f"  scale {step:9} {rows:>10,} rows: " + (
+                f"{result.get('seconds')} s" if result.get("finished") else
+                f"did not finish ({result.get('seconds')} s)") +
+                f", peak RSS {result.get('peak_rss_mb')} MB", file=sys.stderr, flush=True)
+            if step == "import" and not result.get("finished"):
+                break   # nothing to measure on a database without the rows
+    for step in SCALE_STEPS:
+        small, large = figures.get(f"{step}_small", {}), figures.get(f"{step}_large", {})
+        figures[f"{step}_growth"] = growth(small.get("seconds") if small.get("finished") else None,
+                                           large.get("seconds"))
+        # A step that did not finish at N grew at least this much.
+        figures[f"{step}_growth_at_least"] = bool(large) and not large.get("finished")
+    return figures
+
+
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
            "api": bench_api, "archive": bench_archive, "tracking": bench_tracking,
-           "signup": bench_signup, "hosts": bench_hosts, "during-import": bench_during_import}
-STEPS = {**BENCHES, "import-api": bench_import_api}  # what a child process can run
+           "signup": bench_signup, "hosts": bench_hosts, "during-import": bench_during_import,
+           "scale": bench_scale}
+STEPS = {**BENCHES, "import-api": bench_import_api, "scale-step": bench_scale_step}  # what a child process can run
 
 TARGETS = {
     "import": lambda f: f["ratio"] >= 0.5 and f["rss_ratio"] <= 4,
@@ -1306,11 +1553,70 @@ TARGETS = {
     and f["stored"] == f["signups"],
     "during-import": lambda f: f["effects_ok"] and all(
         f[name]["errors"] == 0 and f[name]["p99_ms"] < 100 for name in PUBLIC_ROUTES),
+    "scale": lambda f: scale_misses(f) == [],
     "hosts": lambda f: f["twice"] == 0 and f["lost"] == 0 and f["failed_in_flight"] <= 1,
 }
 
 
+def scale_misses(f):
+    """What the scale figures miss: a step that did not finish, grew faster
+    than GROWTH_LIMIT (linear is 10), used more memory at N than at N/10
+    (flat: up to 1.5x + 20 MB; the import up to 4x its upload)."""
+    misses = []
+    for step in SCALE_STEPS:
+        small, large = f.get(f"{step}_small", {}), f.get(f"{step}_large", {})
+        if not (small.get("finished") and large.get("finished")):
+            misses.append(f"{step} did not finish")
+            continue
+        if f[f"{step}_growth"] is None or f[f"{step}_growth"] > GROWTH_LIMIT:
+            misses.append(f"{step} grew x{f[f'{step}_growth']}")
+        if step == "import":
+            # At N only: at N/10 the interpreter's own ~50 MB dwarfs the upload.
+            if large["rss_ratio"] > 4:
+                misses.append(f"import peak RSS {large['rss_ratio']}x the upload")
+        elif large["peak_rss_mb"] > small["peak_rss_mb"] * 1.5 + 20:
+            misses.append(f"{step} peak RSS {small['peak_rss_mb']} -> {large['peak_rss_mb']} MB")
+    return misses
+
+
+def scale_summary(f):
+    """A line a step: time at N/10 and N, growth, peak RSS; then the
+    statements and plans of the steps that grew too fast or did not finish."""
+    lines = [f"scale    {f['rows'] // 10:,} -> {f['rows']:,} rows (x10: linear is 10, less is "
+             f"better; step limit {f['step_limit']} s)"]
+    slow = []
+    for step in SCALE_STEPS:
+        small, large = f.get(f"{step}_small", {}), f.get(f"{step}_large", {})
+
+        def shown(r):
+            if not r:
+                return "not run"
+            text = f"{r.get('seconds')} s" + ("" if r.get("finished") else " DID NOT FINISH")
+            extra = {k: r[k] for k in ("with_condition_seconds", "batch_seconds") if k in r}
+            return text + (f" {extra}" if extra else "") + f", {r.get('peak_rss_mb')} MB"
+        grew = f.get(f"{step}_growth")
+        lines.append(f"         {step:9} {shown(small)}  ->  {shown(large)}  growth " + (
+            "-" if grew is None else f"x{'>=' if f.get(f'{step}_growth_at_least') else ''}{grew}"))
+        if large and (not large.get("finished") or (f.get(f"{step}_growth") or 0) > GROWTH_LIMIT):
+            slow.append((step, large))
+    for step, large in slow:
+        lines.append(f"         {step} at {f['rows']:,} rows: its statements, longest first")
+        for statement in large.get("statements", []):
+            lines.append(f"           {'IN FLIGHT ' if statement['in_flight'] else ''}"
+                         f"{statement['seconds']} s in {statement['calls']} call(s): "
+                         f"{statement['sql']}")
+            lines += [f"             plan: {line}" for line in statement["plan"]]
+        if large.get("error"):
+            lines.append(f"           error: {large['error']}")
+    misses = scale_misses(f)
+    lines.append("         " + ("all steps linear or better, memory flat" if not misses else
+                              "missed: " + "; ".join(misses)))
+    return "\n".join(lines)
+
+
 def summary(name, f):
+    if name == "scale":
+        return scale_summary(f)
     if name == "import":
         return (f"import   {f['rows']:>9,} rows  {f['rows_per_s']:>8,} rows/s  baseline "
                 f"{f['baseline_rows_per_s']:,} rows/s  ratio {f['ratio']}  peak RSS "
@@ -1371,19 +1677,23 @@ def summary(name, f):
             f"{f['errors']}  wrk -t1 -c16{'' if f['pinned'] else ', not pinned'}")
 
 
-def _child(name, args, body=None):
-    """Run one benchmark (or step) in a process of its own; its figures."""
+def _child(name, args, body=None, extra=(), timeout=None):
+    """Run one benchmark (or step) in a process of its own; its figures.
+    Its stderr passes through (progress lines), the last 3000 characters
+    kept for the error."""
     command = [sys.executable, os.path.abspath(__file__), "--child", name,
                "--rows", str(args.rows), "--emails", str(args.emails),
                "--seconds", str(args.seconds), "--sinks", str(args.sinks),
                "--rounds", str(args.rounds), "--signups", str(args.signups), "--db", DB,
                "--hosts-recipients", str(args.hosts_recipients),
-               "--public-rate", str(args.public_rate)]
-    command += ["--body", body] if body else []
-    done = subprocess.run(command, capture_output=True, text=True)
+               "--public-rate", str(args.public_rate), "--step-limit", str(args.step_limit)]
+    command += (["--body", body] if body else []) + list(extra)
+    # The scale benchmark's progress lines (stderr) show as it goes: it is long.
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=timeout,
+                          stderr=None if name == "scale" else subprocess.PIPE)
     lines = [l for l in done.stdout.splitlines() if l.startswith("FIGURES ")]
     if done.returncode or not lines:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{name} failed:\n{(done.stderr or '(stderr above)')[-3000:]}")
     return json.loads(lines[-1][8:])
 
 
@@ -1406,6 +1716,15 @@ def main():
                         help="recipients of the hosts benchmark (PostgreSQL only)")
     parser.add_argument("--public-rate", type=float, default=20,
                         help="requests/s of each public route in the during-import benchmark")
+    parser.add_argument("--step-limit", type=float, default=900,
+                        help="seconds a scale step may take before it is reported as not "
+                             "finished")
+    parser.add_argument("--scale", action="store_true",
+                        help="the scale benchmark (as --only scale): each step at --rows/10 "
+                             "and --rows")
+    parser.add_argument("--step", choices=SCALE_STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--scale-db", help=argparse.SUPPRESS)
+    parser.add_argument("--scale-state", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)
     parser.add_argument("--body", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1437,9 +1756,18 @@ def main():
             cluster.stop()
 
 
+def default_names(rows, db, scale=False):
+    """The benchmarks of a run without --only: all but hosts on SQLite and
+    scale; with --scale or ten million rows and more, scale alone (the
+    others hold their rows in memory)."""
+    if scale or rows >= 10_000_000:
+        return ["scale"]
+    return [name for name in BENCHES if name != "scale" and (name != "hosts" or db != "sqlite")]
+
+
 def _run(args):
     results, failed = {}, False
-    names = args.only or [name for name in BENCHES if name != "hosts" or DB != "sqlite"]
+    names = args.only or default_names(args.rows, DB, args.scale)
     for name in names:
         try:
             figures = _child(name, args)
