@@ -89,3 +89,88 @@ def test_parse_wrk_without_figures_says_what_wrk_said():
                                       ("2.00m", 120000.0)])
 def test_wrk_durations_in_every_unit(text, ms):
     assert bench._ms(text) == pytest.approx(ms)
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(100, 0, -1))   # 1..100, unsorted
+    assert bench.percentile(values, 50) == 50
+    assert bench.percentile(values, 99) == 99
+    assert bench.percentile(values, 100) == 100
+    assert bench.percentile([7.5], 99) == 7.5
+    assert bench.percentile([], 50) is None
+
+
+def test_latency_counts_from_the_due_time_so_a_stall_counts_whole():
+    # Requests due every 50 ms; the server stalls 400 ms from t=1.0, so the
+    # ones due meanwhile all end at 1.4 (a closed-loop client would have sent
+    # them late and seen a few ms each).
+    dues = [1.0 + 0.05 * i for i in range(8)] + [2.0 + 0.05 * i for i in range(92)]
+    ends = [1.4 + 0.002] * 8 + [due + 0.005 for due in dues[8:]]
+    latencies = bench.latencies_from_due(dues, ends)
+    assert latencies[0] == pytest.approx(0.402) and latencies[7] == pytest.approx(0.052)
+    figures = bench.latency_figures(latencies)
+    assert figures["max_ms"] == pytest.approx(402.0)
+    assert figures["p50_ms"] == pytest.approx(5.0)
+    assert figures["p99_ms"] > 100   # 8 slow ones of 100: the p99 sees the stall
+    assert bench.latency_figures([]) == {"p50_ms": None, "p99_ms": None, "max_ms": None}
+
+
+def test_expected_effects_count_rows_once():
+    answered = {"open": [0, 1, 2], "click": [0, 0], "unsubscribe": [0, 1, 5, 6],
+                "signup": [3, 4], "confirm": [2]}
+    assert bench.expected_effects(answered, many=5) == {
+        "open": 3, "click": 2, "unsubscribe": 2, "signup": 2, "confirm": 1}
+
+
+def test_growth_ratio():
+    assert bench.growth(19.0, 192.0) == 10.1
+    assert bench.growth(2.0, 20.0) == 10.0
+    assert bench.growth(None, 5.0) is None and bench.growth(0, 5.0) is None
+    assert bench.growth(1.0, None) is None
+
+
+def _step(seconds, rss=55.0, finished=True, **more):
+    return {"seconds": seconds, "peak_rss_mb": rss, "finished": finished, **more}
+
+
+def test_scale_misses_name_the_fast_growing_the_unfinished_and_memory():
+    figures = {f"{step}_small": _step(1.0) for step in bench.SCALE_STEPS}
+    figures.update({f"{step}_large": _step(10.0) for step in bench.SCALE_STEPS})
+    figures["import_small"]["rss_ratio"], figures["import_large"]["rss_ratio"] = 9.0, 3.5
+    figures.update({f"{step}_growth": 10.0 for step in bench.SCALE_STEPS})
+    assert bench.scale_misses(figures) == []
+    figures["queue_large"], figures["queue_growth"] = _step(30.0), 30.0
+    figures["structure_large"] = _step(900.0, finished=False)
+    figures["verify_large"] = _step(10.0, rss=300.0)
+    assert bench.scale_misses(figures) == [
+        "structure did not finish", "verify peak RSS 55.0 -> 300.0 MB", "queue grew x30.0"]
+
+
+def test_the_json_line_round_trips_every_figure_by_name():
+    results = {"db": "sqlite", "api": {"ratio": 0.68, "ratios": [0.6, 0.68, 0.7], "p99_ms": 10.85},
+               "during-import": {"open": {"p99_ms": 12.5, "errors": 0}, "effects_ok": True},
+               "scale": {"queue_large": {"seconds": 40.1, "statements": [{"sql": "SELECT 1"}]}}}
+    line = bench.json_line(results)
+    assert "\n" not in line
+    output = "api      3,955 req/s ...\n" + line + "\n"
+    assert bench.read_json_line(output) == {
+        "db": "sqlite", "api.ratio": 0.68, "api.ratios": [0.6, 0.68, 0.7], "api.p99_ms": 10.85,
+        "during-import.open.p99_ms": 12.5, "during-import.open.errors": 0,
+        "during-import.effects_ok": True, "scale.queue_large.seconds": 40.1}
+
+
+def test_issue_targets_say_met_missed_or_not_measured():
+    results = {"api": {"ratio": 0.7, "target_met": True},
+               "during-import": {"rows": 100_000, "target_met": True},
+               "tracking": {"error": "wrk failed"},
+               "import": {"rows": 1_000_000, "target_met": False}}
+    assert bench.issue_targets(results) == {
+        "import": "missed", "api": "met", "during-import": "not measured",
+        "scale": "not measured", "tracking": "missed"}
+
+
+def test_default_runs_leave_scale_out_until_ten_million_rows():
+    assert "scale" not in bench.default_names(1_000_000, "sqlite")
+    assert "hosts" not in bench.default_names(1_000_000, "sqlite")
+    assert bench.default_names(10_000_000, "sqlite") == ["scale"]
+    assert bench.default_names(1000, "sqlite", scale=True) == ["scale"]
