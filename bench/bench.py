@@ -625,6 +625,54 @@ def start_server(script, *argv):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _processes_under(parent):
+    """The pids whose parent is ``parent`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # "pid (name) state ppid ...": the name may hold spaces.
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    children.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
+
+
+class database_pinned:
+    """On PostgreSQL with a local server: its processes on the server's CPU
+    while the load runs (the server side is the app and its database, as
+    SQLite's is in the app's process), so that they do not take wrk's core;
+    back on every CPU after.  Nothing on SQLite or a server elsewhere."""
+
+    def __enter__(self):
+        self.pids = []
+        if DB == "sqlite" or not pinned(SERVER_CPU, []):
+            return self
+        conn = campaignapi.connect(DB)
+        try:
+            data = conn.execute("SHOW data_directory").fetchone()[0]
+            with open(os.path.join(data, "postmaster.pid")) as f:
+                postmaster = int(f.readline())
+        except (OSError, ValueError, RuntimeError):
+            return self   # not on this machine: nothing to pin
+        finally:
+            conn.close()
+        self.pids = [postmaster, *_processes_under(postmaster)]
+        self._set({SERVER_CPU})
+        return self
+
+    def _set(self, cpus):
+        for pid in self.pids:
+            try:
+                os.sched_setaffinity(pid, cpus)
+            except OSError:   # ended meanwhile
+                pass
+
+    def __exit__(self, *exc):
+        self._set(os.sched_getaffinity(0))
+
+
 _DURATION = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
 
 
@@ -687,8 +735,9 @@ def bench_api(args, tmp):
             _load(urls[mode], api.headers, 1)  # warm up
         # Rounds of (bare, api), as for deliver: the ratio is taken within a
         # round, and the median round is reported.
-        rounds = [{mode: _load(urls[mode], api.headers, args.seconds) for mode in urls}
-                  for _ in range(args.rounds)]
+        with database_pinned() as pin:
+            rounds = [{mode: _load(urls[mode], api.headers, args.seconds) for mode in urls}
+                      for _ in range(args.rounds)]
     finally:
         for server in servers:
             server.terminate()
@@ -702,7 +751,7 @@ def bench_api(args, tmp):
             "baseline_p50_ms": figures["bare"]["p50_ms"],
             "baseline_p99_ms": figures["bare"]["p99_ms"],
             "errors": figures["api"]["errors"], "baseline_errors": figures["bare"]["errors"],
-            "pinned": pinned(0, []) != []}
+            "pinned": pinned(0, []) != [], "database_pinned": bool(pin.pids)}
 
 
 def tracked_batch(db, recipients, events, campaign=None):
@@ -836,6 +885,7 @@ def bench_tracking(args, tmp):
             "bare_open": f"{base}/bare/open/x", "bare_click": f"{base}/bare/click/x",
             "campaign": f"{base}/api/v1/campaign/{campaign}"}
     figures = {}
+    pin = database_pinned().__enter__()   # the whole load: see database_pinned
     try:
         wait_port(port)
         for url in urls.values():
@@ -870,10 +920,12 @@ def bench_tracking(args, tmp):
         figures["api_rps_during_opens"] = during["rps"]
         figures["opens_seconds"] = round(opens["seconds"], 2)
         conn = campaignapi.connect(db)
+        figures["database_pinned"] = bool(pin.pids)
         figures["opens_counted"] = conn.execute(
             "SELECT count(*) FROM event WHERE kind = 'open'").fetchone()[0]
         conn.close()
     finally:
+        pin.__exit__()
         server.terminate()
         server.wait(timeout=10)
     return figures
@@ -1109,22 +1161,36 @@ def expected_effects(answered, many):
     return counts
 
 
+#: The import's upload, in a process of its own: in the client's process its
+#: sending took turns at the GIL with the open-loop client, which then sent
+#: requests up to 170 ms late.
+IMPORT_CLIENT = """
+import http.client, json, os, sys, time
+port, path, body_path, auth = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600, blocksize=1 << 20)
+started = time.perf_counter()
+with open(body_path, "rb") as body:
+    conn.request("PUT", path, body=body, headers={
+        "Authorization": auth, "Content-Type": "application/json",
+        "Content-Length": str(os.path.getsize(body_path))})
+    answer = conn.getresponse()
+    envelope = json.loads(answer.read())
+print(json.dumps({"status": answer.status, "seconds": time.perf_counter() - started,
+                  "envelope": envelope}))
+"""
+
+
 def _http_import(port, headers, datasource, body_path):
     """One PUT of the import body over HTTP: (seconds, import record id)."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600, blocksize=1 << 20)
-    started = time.perf_counter()
-    with open(body_path, "rb") as body:
-        conn.request("PUT", f"/v1/datasource/{datasource}/import/0", body=body, headers={
-            **headers, "Content-Type": "application/json",
-            "Content-Length": str(os.path.getsize(body_path))})
-        answer = conn.getresponse()
-        envelope = json.loads(answer.read())
-    seconds = time.perf_counter() - started
-    if answer.status != 200:
-        raise RuntimeError(f"the import failed: {answer.status} {envelope}")
-    return seconds, envelope["data"]["id"]
+    done = subprocess.run([sys.executable, "-c", IMPORT_CLIENT, str(port),
+                           f"/v1/datasource/{datasource}/import/0", body_path,
+                           headers["Authorization"]], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the import client failed: {done.stderr[-2000:]}")
+    answer = json.loads(done.stdout)
+    if answer["status"] != 200:
+        raise RuntimeError(f"the import failed: {answer['status']} {answer['envelope']}")
+    return answer["seconds"], answer["envelope"]["data"]["id"]
 
 
 def bench_during_import(args, tmp):
@@ -1674,7 +1740,8 @@ def summary(name, f):
     return (f"api      {f['rps']:>9,} req/s  baseline {f['baseline_rps']:,} req/s  ratio "
             f"{f['ratio']} (rounds {f['ratios']})  p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms "
             f"(bare p50 {f['baseline_p50_ms']} ms  p99 {f['baseline_p99_ms']} ms)  errors "
-            f"{f['errors']}  wrk -t1 -c16{'' if f['pinned'] else ', not pinned'}")
+            f"{f['errors']}  wrk -t1 -c16{'' if f['pinned'] else ', not pinned'}"
+            f"{', database on the server CPU' if f.get('database_pinned') else ''}")
 
 
 def _child(name, args, body=None, extra=(), timeout=None):
@@ -1693,7 +1760,8 @@ def _child(name, args, body=None, extra=(), timeout=None):
                           stderr=None if name == "scale" else subprocess.PIPE)
     lines = [l for l in done.stdout.splitlines() if l.startswith("FIGURES ")]
     if done.returncode or not lines:
-        raise RuntimeError(f"{name} failed:\n{(done.stderr or '(stderr above)')[-3000:]}")
+        said = done.stderr if done.stderr is not None else "(its stderr is above)"
+        raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{said[-3000:]}")
     return json.loads(lines[-1][8:])
 
 
