@@ -174,3 +174,17 @@ def test_default_runs_leave_scale_out_until_ten_million_rows():
     assert "hosts" not in bench.default_names(1_000_000, "sqlite")
     assert bench.default_names(10_000_000, "sqlite") == ["scale"]
     assert bench.default_names(1000, "sqlite", scale=True) == ["scale"]
+
+
+def test_a_step_stuck_at_n_over_10_is_not_run_at_n_and_its_statement_is_shown():
+    stuck = {"seconds": 900.0, "peak_rss_mb": 55.0, "finished": False, "statements": [
+        {"sql": "WITH m AS MATERIALIZED (SELECT 1) SELECT 2", "calls": 1, "seconds": 900.0,
+         "in_flight": True, "plan": ["2->0 SCAN a", "3->0 SCAN b"]}]}
+    figures = {"rows": 10_000_000, "step_limit": 900,
+               "structure_small": stuck, "structure_growth": None,
+               "structure_large": {"finished": False, "skipped": True, "seconds": None}}
+    assert "structure did not finish at N/10" in bench.scale_misses(figures)
+    text = bench.scale_summary(figures)
+    assert "structure at 1,000,000 rows: its statements" in text
+    assert "IN FLIGHT 900.0 s in 1 call(s): WITH m AS MATERIALIZED" in text
+    assert "plan: 3->0 SCAN b" in text
