@@ -791,8 +791,8 @@ def tracked_batch(db, recipients, events, campaign=None):
                 "WHERE i < ? - 1) INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
                 "SELECT ?, CASE WHEN i % 10 < 7 THEN 'open' WHEN i % 10 < 9 THEN 'click' "
                 "WHEN i % 30 = 9 THEN 'unsubscribe' WHEN i % 30 = 19 THEN 'bounce' "
-                "ELSE 'complaint' END, ?, ?, ? + (i * 7919) % ?, "
-                "'user' || ((i * 7919) % ?) || '@example.com', "
+                "ELSE 'complaint' END, ?, ?, ? + (CAST(i AS BIGINT) * 7919) % ?, "
+                "'user' || ((CAST(i AS BIGINT) * 7919) % ?) || '@example.com', "
                 "CASE WHEN i % 10 IN (7, 8) THEN i % 5 END, "
                 f"{when} FROM n",
                 (events, events, account, campaign, batch, first, recipients, recipients))
@@ -1534,16 +1534,18 @@ def bench_scale_step(args, tmp):
     worker.join(args.step_limit)
     spent = time.perf_counter() - started
     figures = {"rows": args.rows, "peak_rss_mb": round(peak_rss_mb(), 1),
-               "rss_before_mb": round(rss_before, 1), "finished": not worker.is_alive(),
+               "rss_before_mb": round(rss_before, 1),
+               "finished": not worker.is_alive() and "error" not in outcome,
+               "limit": worker.is_alive(),   # stopped by --step-limit
                **{k: round(v, 3) if isinstance(v, float) else v for k, v in outcome.items()}}
-    if not figures["finished"]:
+    if figures["limit"]:
         figures["seconds"] = round(spent, 1)   # at least this long
         if args.scale_db.startswith("postgresql"):
             _cancel_others(args.scale_db)
     figures["statements"] = times.top(args.scale_db)
     with open(args.scale_state, "w") as f:
         json.dump(state, f)
-    if not figures["finished"]:
+    if figures["limit"]:
         print("FIGURES " + json.dumps(figures), flush=True)
         os._exit(0)   # the stuck statement's thread cannot be joined
     return figures
@@ -1574,7 +1576,7 @@ def bench_scale(args, tmp):
         upload_mb = write_import_body(body, rows)
         for step in SCALE_STEPS:
             before = figures.get(f"{step}_small")
-            if size == "large" and before is not None and not before.get("finished"):
+            if size == "large" and before is not None and before.get("limit"):
                 # Ten times the rows will not finish in the time the tenth did not.
                 figures[f"{step}_large"] = {"finished": False, "skipped": True, "seconds": None,
                                             "error": "not run: it did not finish at N/10"}
@@ -1594,16 +1596,18 @@ def bench_scale(args, tmp):
             figures[f"{step}_{size}"] = result
             print(f"  scale {step:9} {rows:>10,} rows: " + (
                 f"{result.get('seconds')} s" if result.get("finished") else
-                f"did not finish ({result.get('seconds')} s)") +
+                f"did not finish ({result.get('seconds')} s)" if result.get("limit") else
+                f"FAILED after {result.get('seconds')} s") +
                 f", peak RSS {result.get('peak_rss_mb')} MB", file=sys.stderr, flush=True)
             if step == "import" and not result.get("finished"):
                 break   # nothing to measure on a database without the rows
     for step in SCALE_STEPS:
         small, large = figures.get(f"{step}_small", {}), figures.get(f"{step}_large", {})
-        figures[f"{step}_growth"] = growth(small.get("seconds") if small.get("finished") else None,
-                                           large.get("seconds"))
-        # A step that did not finish at N grew at least this much.
-        figures[f"{step}_growth_at_least"] = bool(large) and not large.get("finished")
+        # A step stopped by the limit at N grew at least this much; a failed one: no figure.
+        figures[f"{step}_growth"] = growth(
+            small.get("seconds") if small.get("finished") else None,
+            large.get("seconds") if large.get("finished") or large.get("limit") else None)
+        figures[f"{step}_growth_at_least"] = bool(large.get("limit"))
     return figures
 
 
@@ -1638,8 +1642,10 @@ def scale_misses(f):
     for step in SCALE_STEPS:
         small, large = f.get(f"{step}_small", {}), f.get(f"{step}_large", {})
         if not (small.get("finished") and large.get("finished")):
-            misses.append(f"{step} did not finish" + (" at N/10" if small.get("finished") is False
-                                                      else ""))
+            failed = small if small.get("error") else large
+            misses.append(f"{step} failed" if failed.get("error") and not failed.get("skipped")
+                          else f"{step} did not finish" + (" at N/10" if small.get("limit")
+                                                           else ""))
             continue
         if f[f"{step}_growth"] is None or f[f"{step}_growth"] > GROWTH_LIMIT:
             misses.append(f"{step} grew x{f[f'{step}_growth']}")
@@ -1664,7 +1670,8 @@ def scale_summary(f):
         def shown(r):
             if not r or r.get("skipped"):
                 return "not run"
-            text = f"{r.get('seconds')} s" + ("" if r.get("finished") else " DID NOT FINISH")
+            text = f"{r.get('seconds')} s" + ("" if r.get("finished") else
+                                              " DID NOT FINISH" if r.get("limit") else " FAILED")
             extra = {k: r[k] for k in ("with_condition_seconds", "batch_seconds") if k in r}
             return text + (f" {extra}" if extra else "") + f", {r.get('peak_rss_mb')} MB"
         grew = f.get(f"{step}_growth")

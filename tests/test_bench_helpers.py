@@ -140,10 +140,12 @@ def test_scale_misses_name_the_fast_growing_the_unfinished_and_memory():
     figures.update({f"{step}_growth": 10.0 for step in bench.SCALE_STEPS})
     assert bench.scale_misses(figures) == []
     figures["queue_large"], figures["queue_growth"] = _step(30.0), 30.0
-    figures["structure_large"] = _step(900.0, finished=False)
+    figures["structure_large"] = _step(900.0, finished=False, limit=True)
+    figures["archive_large"] = _step(40.0, finished=False, error="integer out of range")
     figures["verify_large"] = _step(10.0, rss=300.0)
     assert bench.scale_misses(figures) == [
-        "structure did not finish", "verify peak RSS 55.0 -> 300.0 MB", "queue grew x30.0"]
+        "structure did not finish", "verify peak RSS 55.0 -> 300.0 MB", "queue grew x30.0",
+        "archive failed"]
 
 
 def test_the_json_line_round_trips_every_figure_by_name():
@@ -177,7 +179,8 @@ def test_default_runs_leave_scale_out_until_ten_million_rows():
 
 
 def test_a_step_stuck_at_n_over_10_is_not_run_at_n_and_its_statement_is_shown():
-    stuck = {"seconds": 900.0, "peak_rss_mb": 55.0, "finished": False, "statements": [
+    stuck = {"seconds": 900.0, "peak_rss_mb": 55.0, "finished": False, "limit": True,
+             "statements": [
         {"sql": "WITH m AS MATERIALIZED (SELECT 1) SELECT 2", "calls": 1, "seconds": 900.0,
          "in_flight": True, "plan": ["2->0 SCAN a", "3->0 SCAN b"]}]}
     figures = {"rows": 10_000_000, "step_limit": 900,
