@@ -709,11 +709,12 @@ class _PgConnection:
 _PG_SCHEMA_LOCK = 0x63616d70   # 'camp': the advisory lock key of schema changes
 
 # What every PostgreSQL database of ours has besides schema.sql: citext for
-# the NOCASE columns, the version row, and the trigger that moves an id
-# sequence past an id inserted explicitly (create at a chosen id).  It runs
-# once a statement, over its rows (a transition table): an import writes a
-# million rows in a few statements, and a trigger call per row cost more than
-# a third of the row's insert.
+# the NOCASE columns, the version row, the trigger that moves an id sequence
+# past an id inserted explicitly (create at a chosen id), and the checks of
+# the foreign keys that are checked once a statement (see _PG_STATEMENT_KEYS).
+# The triggers run once a statement, over its rows (a transition table): an
+# import writes a million rows in a few statements, and a trigger or a
+# foreign key check per row cost more than the row's insert.
 _PG_PREAMBLE = """
 CREATE EXTENSION IF NOT EXISTS citext;
 CREATE TABLE IF NOT EXISTS campaignapi_schema (
@@ -729,7 +730,65 @@ BEGIN
     END IF;
     RETURN NULL;
 END $$;
+-- The child's side of a foreign key (TG_ARGV: column, parent table): every
+-- value the statement wrote names a parent row, locked FOR KEY SHARE until
+-- the transaction ends, as PostgreSQL's own check does.
+CREATE OR REPLACE FUNCTION campaignapi_key_present() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    key bigint;
+    found bigint;
+BEGIN
+    FOR key IN EXECUTE format('SELECT DISTINCT %1$I FROM added WHERE %1$I IS NOT NULL',
+                              TG_ARGV[0]) LOOP
+        EXECUTE format('SELECT 1 FROM %I WHERE id = $1 FOR KEY SHARE', TG_ARGV[1]) USING key;
+        GET DIAGNOSTICS found = ROW_COUNT;
+        IF found = 0 THEN
+            RAISE foreign_key_violation USING
+                MESSAGE = format('insert or update on table "%s" violates foreign key '
+                                 'constraint "%s_%s_fkey"', TG_TABLE_NAME, TG_TABLE_NAME,
+                                 TG_ARGV[0]),
+                DETAIL = format('Key (%s)=(%s) is not present in table "%s".', TG_ARGV[0],
+                                key, TG_ARGV[1]),
+                TABLE = TG_TABLE_NAME, COLUMN = TG_ARGV[0],
+                CONSTRAINT = format('%s_%s_fkey', TG_TABLE_NAME, TG_ARGV[0]);
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;
+-- The parent's side (TG_ARGV: child table, column, ON DELETE action): rows
+-- deleted (or ids changed) while children name them are refused (NO
+-- ACTION), or the children's column is set to NULL (SET NULL, deletes).
+CREATE OR REPLACE FUNCTION campaignapi_key_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    gone text := CASE TG_OP WHEN 'DELETE' THEN 'SELECT id FROM removed'
+                 ELSE 'SELECT id FROM removed EXCEPT SELECT id FROM added' END;
+    key bigint;
+BEGIN
+    IF TG_OP = 'DELETE' AND TG_ARGV[2] = 'SET NULL' THEN
+        EXECUTE format('UPDATE %1$I SET %2$I = NULL WHERE %2$I IN (%3$s)', TG_ARGV[0],
+                       TG_ARGV[1], gone);
+        RETURN NULL;
+    END IF;
+    EXECUTE format('SELECT %2$I FROM %1$I WHERE %2$I IN (%3$s) LIMIT 1', TG_ARGV[0],
+                   TG_ARGV[1], gone) INTO key;
+    IF key IS NOT NULL THEN
+        RAISE foreign_key_violation USING
+            MESSAGE = format('update or delete on table "%s" violates foreign key constraint '
+                             '"%s_%s_fkey" on table "%s"', TG_TABLE_NAME, TG_ARGV[0],
+                             TG_ARGV[1], TG_ARGV[0]),
+            DETAIL = format('Key (id)=(%s) is still referenced from table "%s".', key,
+                            TG_ARGV[0]),
+            TABLE = TG_ARGV[0], CONSTRAINT = format('%s_%s_fkey', TG_ARGV[0], TG_ARGV[1]);
+    END IF;
+    RETURN NULL;
+END $$;
 """
+
+#: The foreign keys that PostgreSQL checks once a statement by the triggers
+#: above instead of once a row, by table and column: the columns an import
+#: writes for every row.  Their REFERENCES clause in schema.sql (parent and
+#: ON DELETE action) says what the triggers do.
+_PG_STATEMENT_KEYS = {"recipient": ("datasource", "import")}
 
 
 def _pg_schema(script):
@@ -744,8 +803,10 @@ def _pg_schema(script):
     ASCII only, like NOCASE), ``WITHOUT ROWID`` goes, ``datetime('now')``
     becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
     the same on both engines and the spellings cast it to jsonb where read.
+    The foreign keys of _PG_STATEMENT_KEYS become triggers run once a
+    statement.
     """
-    lines, tables, current = [], [], None
+    lines, tables, keys, current = [], [], [], None
     for line in script.splitlines():
         line = line.split("--", 1)[0].rstrip()    # no '--' inside the schema's strings
         if "COLLATE NOCASE" in line:
@@ -757,6 +818,11 @@ def _pg_schema(script):
             line = line.replace("INTEGER PRIMARY KEY",
                                 "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
             tables.append(current)
+        key = re.match(r"\s*(\w+)\s.*?( REFERENCES (\w+)\(id\)(?: ON DELETE (SET NULL))?)",
+                       line)
+        if key and key[1] in _PG_STATEMENT_KEYS.get(current, ()):
+            line = line.replace(key[2], "")
+            keys.append((current, key[1], key[3], key[4] or "NO ACTION"))
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
         line = line.replace("datetime('now')", SQL["postgresql"]["now"])
@@ -764,6 +830,15 @@ def _pg_schema(script):
     for table in tables:
         lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
                                            f"campaignapi_ids_past('{table}_id_seq')"))
+    for table, column, parent, action in keys:
+        name = f"{table}_{column}_fkey"
+        for event in ("INSERT", "UPDATE"):
+            lines.append(_pg_statement_trigger(f"{name}_{event.lower()}", event, table,
+                                               f"campaignapi_key_present('{column}', '{parent}')"))
+        for event in ("DELETE", "UPDATE"):
+            lines.append(_pg_statement_trigger(
+                f"{name}_parent_{event.lower()}", event, parent,
+                f"campaignapi_key_gone('{table}', '{column}', '{action}')"))
     return "\n".join(lines) + "\n"
 
 
@@ -829,10 +904,13 @@ ALTER TABLE outbox ADD COLUMN fromname TEXT;
 ALTER TABLE outbox ADD COLUMN fromaddress TEXT;
 ALTER TABLE outbox ADD COLUMN replyto TEXT;
 """}),
-    # Version 3: the intake table (schema.sql); on PostgreSQL the id trigger
-    # runs once a statement (_PG_PREAMBLE): the one run for every row leaves
-    # (schema.sql makes the new one).
+    # Version 3: the intake table (schema.sql); on PostgreSQL the checks an
+    # import paid for every row run once a statement (_PG_PREAMBLE): the
+    # foreign keys of recipient.datasource and recipient.import and the id
+    # trigger leave (schema.sql makes the triggers again).
     (3, {"sqlite": "", "postgresql": """
+ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_datasource_fkey;
+ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_import_fkey;
 DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
 """}),
 )
