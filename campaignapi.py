@@ -790,6 +790,12 @@ END $$;
 #: ON DELETE action) says what the triggers do.
 _PG_STATEMENT_KEYS = {"recipient": ("datasource", "import")}
 
+#: Indexes of schema.sql that PostgreSQL builds with another method.  BRIN:
+#: recipient.import grows with the rows (an import appends its recipients
+#: together), so block ranges find an import's rows at a fraction of a
+#: b-tree's cost per inserted row.
+_PG_INDEX_METHODS = {"recipient_import": "brin"}
+
 
 def _pg_schema(script):
     """schema.sql (or a migration's DDL) as PostgreSQL runs it.
@@ -804,7 +810,7 @@ def _pg_schema(script):
     becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
     the same on both engines and the spellings cast it to jsonb where read.
     The foreign keys of _PG_STATEMENT_KEYS become triggers run once a
-    statement.
+    statement, the indexes of _PG_INDEX_METHODS take their method.
     """
     lines, tables, keys, current = [], [], [], None
     for line in script.splitlines():
@@ -823,6 +829,10 @@ def _pg_schema(script):
         if key and key[1] in _PG_STATEMENT_KEYS.get(current, ()):
             line = line.replace(key[2], "")
             keys.append((current, key[1], key[3], key[4] or "NO ACTION"))
+        index = re.match(r"\s*CREATE\s+INDEX\s+IF\s+NOT\s+EXISTS\s+(\w+)\s+ON\s+(\w+)", line)
+        if index and index[1] in _PG_INDEX_METHODS:
+            line = line.replace(f" ON {index[2]}(", f" ON {index[2]} USING "
+                                                     f"{_PG_INDEX_METHODS[index[1]]} (")
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
         line = line.replace("datetime('now')", SQL["postgresql"]["now"])
@@ -907,10 +917,12 @@ ALTER TABLE outbox ADD COLUMN replyto TEXT;
     # Version 3: the intake table (schema.sql); on PostgreSQL the checks an
     # import paid for every row run once a statement (_PG_PREAMBLE): the
     # foreign keys of recipient.datasource and recipient.import and the id
-    # trigger leave (schema.sql makes the triggers again).
+    # trigger leave (schema.sql makes the triggers again), recipient_import
+    # becomes a BRIN index.
     (3, {"sqlite": "", "postgresql": """
 ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_datasource_fkey;
 ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_import_fkey;
+DROP INDEX IF EXISTS recipient_import;
 DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
 """}),
 )
