@@ -662,14 +662,25 @@ class _PgConnection:
 
     def __init__(self, raw):
         self.raw = raw
+        # A COPY that an import keeps open from chunk to chunk (_CopyStream):
+        # the function that ends it, run before the connection does anything
+        # else, since nothing else can run while it is open.
+        self.copying = None
+
+    def _settle(self, sql):
+        if self.copying is not None:
+            self.copying(rollback=sql.lstrip()[:8].upper() == "ROLLBACK")
 
     def execute(self, sql, params=()):
+        self._settle(sql)
         return _PgCursor(self).execute(sql, params)
 
     def executemany(self, sql, seq_of_params):
+        self._settle(sql)
         return _PgCursor(self).executemany(sql, seq_of_params)
 
     def cursor(self, name=None):
+        self._settle("")
         return _PgCursor(self, name)
 
     @property
@@ -681,6 +692,7 @@ class _PgConnection:
 
     def run_script(self, script):
         """Run ``script`` (several statements, no parameters) as it is."""
+        self._settle(script)
         self.raw.execute(script)
 
     def schema_script(self, script):
@@ -709,22 +721,92 @@ class _PgConnection:
 _PG_SCHEMA_LOCK = 0x63616d70   # 'camp': the advisory lock key of schema changes
 
 # What every PostgreSQL database of ours has besides schema.sql: citext for
-# the NOCASE columns, the version row, and the trigger that moves an id
-# sequence past an id inserted explicitly (create at a chosen id).
+# the NOCASE columns, the version row, the trigger that moves an id sequence
+# past an id inserted explicitly (create at a chosen id), and the checks of
+# the foreign keys that are checked once a statement (see _PG_STATEMENT_KEYS).
+# The triggers run once a statement, over its rows (a transition table): an
+# import writes a million rows in a few statements, and a trigger or a
+# foreign key check per row cost more than the row's insert.
 _PG_PREAMBLE = """
 CREATE EXTENSION IF NOT EXISTS citext;
 CREATE TABLE IF NOT EXISTS campaignapi_schema (
     one     BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
     version INTEGER NOT NULL
 );
-CREATE OR REPLACE FUNCTION campaignapi_id_past() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION campaignapi_ids_past() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    top bigint := (SELECT max(id) FROM added);
 BEGIN
-    IF NEW.id > coalesce(pg_sequence_last_value(TG_ARGV[0]::regclass), 0) THEN
-        PERFORM setval(TG_ARGV[0]::regclass, NEW.id);
+    IF top > coalesce(pg_sequence_last_value(TG_ARGV[0]::regclass), 0) THEN
+        PERFORM setval(TG_ARGV[0]::regclass, top);
     END IF;
-    RETURN NEW;
+    RETURN NULL;
+END $$;
+-- The child's side of a foreign key (TG_ARGV: column, parent table): every
+-- value the statement wrote names a parent row, locked FOR KEY SHARE until
+-- the transaction ends, as PostgreSQL's own check does.
+CREATE OR REPLACE FUNCTION campaignapi_key_present() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    key bigint;
+    found bigint;
+BEGIN
+    FOR key IN EXECUTE format('SELECT DISTINCT %1$I FROM added WHERE %1$I IS NOT NULL',
+                              TG_ARGV[0]) LOOP
+        EXECUTE format('SELECT 1 FROM %I WHERE id = $1 FOR KEY SHARE', TG_ARGV[1]) USING key;
+        GET DIAGNOSTICS found = ROW_COUNT;
+        IF found = 0 THEN
+            RAISE foreign_key_violation USING
+                MESSAGE = format('insert or update on table "%s" violates foreign key '
+                                 'constraint "%s_%s_fkey"', TG_TABLE_NAME, TG_TABLE_NAME,
+                                 TG_ARGV[0]),
+                DETAIL = format('Key (%s)=(%s) is not present in table "%s".', TG_ARGV[0],
+                                key, TG_ARGV[1]),
+                TABLE = TG_TABLE_NAME, COLUMN = TG_ARGV[0],
+                CONSTRAINT = format('%s_%s_fkey', TG_TABLE_NAME, TG_ARGV[0]);
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END $$;
+-- The parent's side (TG_ARGV: child table, column, ON DELETE action): rows
+-- deleted (or ids changed) while children name them are refused (NO
+-- ACTION), or the children's column is set to NULL (SET NULL, deletes).
+CREATE OR REPLACE FUNCTION campaignapi_key_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    gone text := CASE TG_OP WHEN 'DELETE' THEN 'SELECT id FROM removed'
+                 ELSE 'SELECT id FROM removed EXCEPT SELECT id FROM added' END;
+    key bigint;
+BEGIN
+    IF TG_OP = 'DELETE' AND TG_ARGV[2] = 'SET NULL' THEN
+        EXECUTE format('UPDATE %1$I SET %2$I = NULL WHERE %2$I IN (%3$s)', TG_ARGV[0],
+                       TG_ARGV[1], gone);
+        RETURN NULL;
+    END IF;
+    EXECUTE format('SELECT %2$I FROM %1$I WHERE %2$I IN (%3$s) LIMIT 1', TG_ARGV[0],
+                   TG_ARGV[1], gone) INTO key;
+    IF key IS NOT NULL THEN
+        RAISE foreign_key_violation USING
+            MESSAGE = format('update or delete on table "%s" violates foreign key constraint '
+                             '"%s_%s_fkey" on table "%s"', TG_TABLE_NAME, TG_ARGV[0],
+                             TG_ARGV[1], TG_ARGV[0]),
+            DETAIL = format('Key (id)=(%s) is still referenced from table "%s".', key,
+                            TG_ARGV[0]),
+            TABLE = TG_ARGV[0], CONSTRAINT = format('%s_%s_fkey', TG_ARGV[0], TG_ARGV[1]);
+    END IF;
+    RETURN NULL;
 END $$;
 """
+
+#: The foreign keys that PostgreSQL checks once a statement by the triggers
+#: above instead of once a row, by table and column: the columns an import
+#: writes for every row.  Their REFERENCES clause in schema.sql (parent and
+#: ON DELETE action) says what the triggers do.
+_PG_STATEMENT_KEYS = {"recipient": ("datasource", "import")}
+
+#: Indexes of schema.sql that PostgreSQL builds with another method.  BRIN:
+#: recipient.import grows with the rows (an import appends its recipients
+#: together), so block ranges find an import's rows at a fraction of a
+#: b-tree's cost per inserted row.
+_PG_INDEX_METHODS = {"recipient_import": "brin"}
 
 
 def _pg_schema(script):
@@ -739,8 +821,10 @@ def _pg_schema(script):
     ASCII only, like NOCASE), ``WITHOUT ROWID`` goes, ``datetime('now')``
     becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
     the same on both engines and the spellings cast it to jsonb where read.
+    The foreign keys of _PG_STATEMENT_KEYS become triggers run once a
+    statement, the indexes of _PG_INDEX_METHODS take their method.
     """
-    lines, tables, current = [], [], None
+    lines, tables, keys, current = [], [], [], None
     for line in script.splitlines():
         line = line.split("--", 1)[0].rstrip()    # no '--' inside the schema's strings
         if "COLLATE NOCASE" in line:
@@ -752,14 +836,41 @@ def _pg_schema(script):
             line = line.replace("INTEGER PRIMARY KEY",
                                 "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
             tables.append(current)
+        key = re.match(r"\s*(\w+)\s.*?( REFERENCES (\w+)\(id\)(?: ON DELETE (SET NULL))?)",
+                       line)
+        if key and key[1] in _PG_STATEMENT_KEYS.get(current, ()):
+            line = line.replace(key[2], "")
+            keys.append((current, key[1], key[3], key[4] or "NO ACTION"))
+        index = re.match(r"\s*CREATE\s+INDEX\s+IF\s+NOT\s+EXISTS\s+(\w+)\s+ON\s+(\w+)", line)
+        if index and index[1] in _PG_INDEX_METHODS:
+            line = line.replace(f" ON {index[2]}(", f" ON {index[2]} USING "
+                                                     f"{_PG_INDEX_METHODS[index[1]]} (")
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
         line = line.replace("datetime('now')", SQL["postgresql"]["now"])
         lines.append(line)
     for table in tables:
-        lines.append(f"CREATE OR REPLACE TRIGGER {table}_id_past BEFORE INSERT ON {table} "
-                     f"FOR EACH ROW EXECUTE FUNCTION campaignapi_id_past('{table}_id_seq');")
+        lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
+                                           f"campaignapi_ids_past('{table}_id_seq')"))
+    for table, column, parent, action in keys:
+        name = f"{table}_{column}_fkey"
+        for event in ("INSERT", "UPDATE"):
+            lines.append(_pg_statement_trigger(f"{name}_{event.lower()}", event, table,
+                                               f"campaignapi_key_present('{column}', '{parent}')"))
+        for event in ("DELETE", "UPDATE"):
+            lines.append(_pg_statement_trigger(
+                f"{name}_parent_{event.lower()}", event, parent,
+                f"campaignapi_key_gone('{table}', '{column}', '{action}')"))
     return "\n".join(lines) + "\n"
+
+
+def _pg_statement_trigger(name, event, table, function):
+    """A trigger run once per statement that sees the statement's rows as
+    ``added`` (new versions) and ``removed`` (old ones)."""
+    tables = {"INSERT": "NEW TABLE AS added", "DELETE": "OLD TABLE AS removed",
+              "UPDATE": "OLD TABLE AS removed NEW TABLE AS added"}[event]
+    return (f"CREATE OR REPLACE TRIGGER {name} AFTER {event} ON {table} REFERENCING {tables} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {function};")
 
 
 @functools.lru_cache(maxsize=1)
@@ -780,7 +891,6 @@ def _pg_id_tables():
 #: TABLE ..."}``).  All steps run in one transaction; then schema.sql runs
 #: again, so new tables and indexes need no step.
 MIGRATIONS = (
-    # Version 3: the intake table (schema.sql alone).
     # Version 2: sign-ups, statuses 'unconfirmed' and 'complained', templates,
     # tracking, bounces and complaints, webhooks.  New tables come from
     # schema.sql; these are the changes to the tables version 1 has.
@@ -815,6 +925,17 @@ ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
 ALTER TABLE outbox ADD COLUMN fromname TEXT;
 ALTER TABLE outbox ADD COLUMN fromaddress TEXT;
 ALTER TABLE outbox ADD COLUMN replyto TEXT;
+"""}),
+    # Version 3: the intake table (schema.sql); on PostgreSQL the checks an
+    # import paid for every row run once a statement (_PG_PREAMBLE): the
+    # foreign keys of recipient.datasource and recipient.import and the id
+    # trigger leave (schema.sql makes the triggers again), recipient_import
+    # becomes a BRIN index.
+    (3, {"sqlite": "", "postgresql": """
+ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_datasource_fkey;
+ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_import_fkey;
+DROP INDEX IF EXISTS recipient_import;
+DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
 """}),
 )
 
@@ -2525,6 +2646,7 @@ class _Importer:
         if conn.engine == "postgresql":   # a chunk's rows, staged by COPY (see copy())
             conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_rows "
                          "(n integer, email citext, data text, patch text)")
+        self.stream = None   # PostgreSQL: the _CopyStream, False when staging, None: not known
 
     def report(self, number, error):
         if len(self.errors) < ROWS_REPORTED:
@@ -2640,11 +2762,31 @@ class _Importer:
         if self.erased is not None and inserts:
             self.erased(self.conn, [row[1] for row in inserts])
 
+    def finish(self):
+        """The last flush: after it every row is written and the figures are
+        final (on PostgreSQL a streamed COPY ends here)."""
+        self.flush()
+        if self.stream:
+            self.stream.end()
+
     def copy(self, pending):
-        """flush() on PostgreSQL: the chunk goes into a temporary table by COPY,
-        then set-based statements apply the same rules: the new addresses are
-        inserted and leave the staging table; the known ones left in it are
-        counted and updated."""
+        """flush() on PostgreSQL.  Into a datasource that was empty when the
+        import began, the rows go straight into recipient by one COPY kept
+        open (_CopyStream); else through a staging table (stage())."""
+        if self.stream is None:   # the first chunk: before this import wrote a recipient
+            empty = self.conn.execute("SELECT NOT EXISTS (SELECT 1 FROM recipient "
+                                      "WHERE datasource = ?)", (self.datasource,)).fetchone()[0]
+            self.stream = _CopyStream(self) if empty else False
+        if self.stream:
+            self.stream.write(pending)
+        else:
+            self.stage(pending)
+
+    def stage(self, pending):
+        """The chunk goes into a temporary table by COPY, then set-based
+        statements apply the same rules as flush() on SQLite: the new
+        addresses are inserted and leave the staging table; the known ones
+        left in it are counted and updated."""
         conn, now = self.conn, _now()
         conn.execute("TRUNCATE pg_temp.import_rows")
         with conn.raw.cursor() as cursor, cursor.copy(
@@ -2676,6 +2818,131 @@ class _Importer:
                      f"{conn.sql['json_merge'].format(json='r.data', patch='s.patch')} "
                      "FROM pg_temp.import_rows s WHERE r.datasource = ? AND r.email = s.email",
                      (now, self.datasource))
+
+
+class _CopyStream:
+    """The rows of an import into a datasource that was empty when it began,
+    written straight into recipient by one COPY that stays open from chunk to
+    chunk: the server stores a chunk while the next one is read and checked
+    (two cores at work instead of one after the other), and no staging table
+    or INSERT ... SELECT stands between.
+
+    Only addresses that are new to the import go this way; a repeat (or what
+    a filter of the addresses streamed so far takes for one) waits for the
+    end of the segment and then goes through stage(), in order, as an update.
+    The datasource may still have gained an address meanwhile (a sign-up):
+    each segment runs in a savepoint, and when the COPY ends in a conflict
+    the segment is rolled back and its chunks staged instead.
+
+    A segment ends (end()) when it holds SEGMENT_ROWS rows or a chunk of
+    repeats, at the import's finish(), and before the connection runs any
+    other statement (_PgConnection.copying): making a new field, marking
+    erased addresses, or the transaction's COMMIT or ROLLBACK (which drops it).
+    """
+
+    #: Rows a segment keeps for a conflict: bounds the memory and the rows
+    #: written again, and keeps the savepoints (subtransactions) few.
+    SEGMENT_ROWS = 50_000
+
+    #: The filter of the addresses streamed: 2 bits of 2**26 for each.  No
+    #: address is missed; at a million addresses 0.1% of new ones are taken
+    #: for repeats (and pay the staging path), at ten million 7%.
+    SEEN_BITS = 1 << 26
+
+    def __init__(self, importer):
+        self.importer, self.conn = importer, importer.conn
+        self.seen = bytearray(self.SEEN_BITS // 8)
+        self.copy = self.closing = None
+        self.chunks, self.repeats, self.rows = [], {}, 0
+
+    def _repeated(self, folded):
+        """Whether ``folded`` may have been seen (then or before); marks it seen."""
+        seen, mask, code = self.seen, self.SEEN_BITS - 1, hash(folded)
+        first, second = code & mask, (code >> 32) & mask
+        known = seen[first >> 3] >> (first & 7) & seen[second >> 3] >> (second & 7) & 1
+        seen[first >> 3] |= 1 << (first & 7)
+        seen[second >> 3] |= 1 << (second & 7)
+        return known
+
+    def write(self, pending):
+        fresh, repeats = {}, self.repeats
+        for folded, row in pending.items():
+            if not self._repeated(folded):
+                fresh[folded] = row
+            elif folded in repeats:   # a repeat of a repeat: merged as add() merges
+                repeats[folded] = _merged(repeats[folded], row)
+            else:
+                repeats[folded] = row
+        if fresh:
+            if self.copy is None:
+                self._begin()
+            importer, now = self.importer, _now()
+            source = "\\N" if importer.import_id is None else importer.import_id   # \N: NULL
+            start, middle = f"{importer.datasource}\t", f"\t{source}\t{now}\t{now}\t"
+            self.copy.write("".join([
+                f"{start}{address.translate(_COPY_TEXT)}{middle}"
+                f"{_data_json(keys, values).translate(_COPY_TEXT)}\n"
+                for address, keys, values in fresh.values()]))
+            self.chunks.append(fresh)
+            self.rows += len(fresh)
+            importer.inserted += len(fresh)  # taken back if the segment is staged instead
+        if self.rows >= self.SEGMENT_ROWS or len(repeats) >= CHUNK_ROWS:
+            self.end()
+
+    def _begin(self):
+        import psycopg.copy
+
+        self.conn.execute("SAVEPOINT import_stream")
+        self.closing = contextlib.ExitStack()
+        cursor = self.closing.enter_context(self.conn.raw.cursor())
+        # Queued: write() hands the data to a thread that sends it, so the
+        # next chunk is read while the server stores this one.
+        self.copy = self.closing.enter_context(cursor.copy(
+            "COPY recipient (datasource, email, import, created, updated, data) FROM STDIN",
+            writer=psycopg.copy.QueuedLibpqWriter(cursor)))
+        self.conn.copying = self.end
+
+    def end(self, rollback=False):
+        """End the segment: the COPY's rows kept (or, after a conflict, staged
+        instead), then the repeats staged.  ``rollback``: the transaction is
+        being rolled back, so drop it all."""
+        conn, importer = self.conn, self.importer
+        conn.copying = None
+        chunks, repeats, closing = self.chunks, self.repeats, self.closing
+        self.copy = self.closing = None
+        self.chunks, self.repeats, self.rows = [], {}, 0
+        if rollback:
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    closing.__exit__(RuntimeError, RuntimeError("rolled back"), None)
+            return
+        if closing is not None:
+            import psycopg
+
+            try:
+                closing.close()
+            except psycopg.errors.UniqueViolation:   # an address came from elsewhere meanwhile
+                conn.execute("ROLLBACK TO SAVEPOINT import_stream")
+                importer.inserted -= sum(map(len, chunks))
+                for chunk in chunks:   # every address of a chunk before its repeats
+                    importer.stage(chunk)
+            else:
+                if importer.erased is not None:   # an erased address comes back unsubscribed
+                    importer.erased(conn, [address for chunk in chunks
+                                           for address, _, _ in chunk.values()])
+            conn.execute("RELEASE SAVEPOINT import_stream")
+        if repeats:
+            importer.stage(repeats)
+
+
+def _merged(earlier, later):
+    """Two rows ``(address, keys, values)`` of one address from different
+    chunks as one that an update applies at once: the later values win (blank
+    ones too), the earlier address stays (an update keeps the stored one)."""
+    if earlier[1] == later[1]:
+        return earlier[0], later[1], later[2]
+    values = {**dict(zip(earlier[1], earlier[2])), **dict(zip(later[1], later[2]))}
+    return earlier[0], tuple(values), tuple(values.values())
 
 
 #: COPY's text format: a backslash, tab, newline or carriage return escaped.
@@ -2902,7 +3169,7 @@ def _import_create(call, child_id):
     except UnicodeDecodeError:
         raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or Latin-1); "
                           "nothing was imported.", field="__uploaddata__") from None
-    importer.flush()
+    importer.finish()
     update_record(call.conn, "import", import_id, {
         "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
         "updated": importer.updated, "skipped": importer.skipped,

@@ -133,7 +133,9 @@ def describe(db):
         parts += sorted(tuple(row) for row in conn.execute(
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"))
         parts += sorted(tuple(row) for row in conn.execute(
-            "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE NOT tgisinternal"))
+            "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger WHERE NOT tgisinternal"))
+        parts += sorted(tuple(row) for row in conn.execute(
+            "SELECT proname, prosrc FROM pg_proc WHERE pronamespace = 'public'::regnamespace"))
         return parts
     finally:
         conn.close()
