@@ -5,6 +5,7 @@ one-call decoders do."""
 import base64
 import binascii
 import os
+import sys
 
 import pytest
 
@@ -62,3 +63,25 @@ def test_a_big_base64_upload_imports_every_row(api, db):
                             "WHERE datasource = ?", (int(ds),)).fetchone()[:] == (rows, rows)
         assert conn.execute("SELECT 1 FROM recipient WHERE email = ?",
                             (f"user{rows - 1}@example.com",)).fetchone()
+
+
+def test_an_import_takes_short_turns_at_the_gil_and_gives_them_back(api, monkeypatch):
+    """While an import runs (and only then) the switch interval is short;
+    the process's own comes back after a success and after a refusal."""
+    ds = api.put("/datasource/0", name="turns", fields=[{"name": "age", "type": "integer"}])["id"]
+    seen, add = [], campaignapi._Importer.add
+
+    def watching(self, *args):
+        seen.append(sys.getswitchinterval())
+        return add(self, *args)
+
+    monkeypatch.setattr(campaignapi._Importer, "add", watching)
+    before = sys.getswitchinterval()
+    assert before > campaignapi.IMPORT_SWITCH_INTERVAL
+    api.put(f"/datasource/{ds}/import/0", name="x", originalfile="x.csv", __uploadtype__="csv",
+            __uploaddata__="email,age\na@example.com,1\nb@example.com,2\n")
+    assert seen and set(seen) == {campaignapi.IMPORT_SWITCH_INTERVAL}
+    assert sys.getswitchinterval() == before
+    api.put(f"/datasource/{ds}/import/0", status=422, name="x", originalfile="x.csv",
+            __uploadtype__="base64", __uploaddata__="not base64 at all!")
+    assert sys.getswitchinterval() == before
