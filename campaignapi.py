@@ -51,6 +51,7 @@ import email.message
 import email.policy
 import email.utils
 import functools
+import gc
 import hashlib
 import hmac
 import html
@@ -62,6 +63,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import marshal
 import operator
 import os
 import random
@@ -76,6 +78,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import types
 import urllib.parse
 
@@ -1162,6 +1165,12 @@ _EMAIL_ATOM = r"[^@\s\x00-\x1f\x7f<>()\[\],;:\"\\.]+"
 _EMAIL_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _EMAIL_RE = re.compile(rf"(?=[^@]{{1,64}}@)({_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*)"
                        rf"@({_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+)")
+# An address already in the form _normalize_email() gives (no spaces around,
+# the domain in lower case, at most 254 characters): an import checks a whole
+# column with it and sends only the others the slow way.
+_EMAIL_NORMAL_RE = re.compile(
+    rf"(?s:(?=.{{1,254}}\Z))(?=[^@]{{1,64}}@){_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*"
+    r"@[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)+")
 
 
 def _normalize_email(value):
@@ -2715,6 +2724,14 @@ class _Importer:
                 self.made[key] = str(field_id)
         return tuple([self.made.get(key, key) for key in keys])
 
+    def stored_keys(self, keys):
+        """``keys`` as a stored row has them: new fields among them are made now."""
+        if self.made or self.unmade:
+            if keys is not self.last_keys[0]:
+                self.last_keys = (keys, self._made(keys))
+            return self.last_keys[1]
+        return keys
+
     def convert(self, number, keys, kinds, raws):
         """The raw values typed for their fields, or None (the row is skipped)."""
         try:
@@ -2737,10 +2754,7 @@ class _Importer:
             text = email.strip() if isinstance(email, str) else ""
             return self.skip(number, f"'{text[:100]}' is not a valid email address" if text
                              else "no email address")
-        if self.made or self.unmade:
-            if keys is not self.last_keys[0]:
-                self.last_keys = (keys, self._made(keys))
-            keys = self.last_keys[1]
+        keys = self.stored_keys(keys)
         folded = _nocase(address)
         earlier = self.pending.get(folded)
         if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
@@ -2758,36 +2772,39 @@ class _Importer:
             return
         if self.conn.engine == "postgresql":
             return self.copy(pending)
-        known, touched = {}, []
-        for recipient_id, email, source, seen in self.conn.execute(
-                "SELECT r.id, r.email, r.import, t.id IS NOT NULL FROM recipient r "
-                f"LEFT JOIN {self.conn.sql['temp']}.import_touched t ON t.id = r.id "
-                "WHERE r.datasource = ? AND r.email IN "
-                f"({self.conn.sql['json_addresses'].format(array='?')})",
-                (self.datasource, _to_json([item[0] for item in pending.values()]))):
-            known[_nocase(email)] = recipient_id
+        self.write(_chunk_json(pending), lambda address, data: _data_json(
+            *pending[_nocase(address)][1:], blank="null"))
+
+    def write(self, chunk, patch):
+        """flush() on SQLite, of ``chunk`` as _chunk_json() gives it: one
+        INSERT ... SELECT from json_each for the whole chunk (the C of SQLite
+        instead of one executemany step per row), the known addresses left to
+        ON CONFLICT and updated with ``patch(address, data)``, the JSON patch
+        of their new values (blank ones null)."""
+        conn, temp, now = self.conn, self.conn.sql["temp"], _now()
+        known, touched, updates = set(), [], []
+        for recipient_id, address, data, source, seen in conn.execute(
+                # CROSS JOIN: SQLite then loops over the chunk, looking each up
+                # in the unique index (not over the datasource's recipients).
+                "SELECT r.id, s.key, s.value, r.import, t.id IS NOT NULL FROM json_each(?) s "
+                "CROSS JOIN recipient r ON r.datasource = ? AND r.email = s.key "
+                f"LEFT JOIN {temp}.import_touched t ON t.id = r.id", (chunk, self.datasource)):
+            known.add(address)
+            updates.append((now, patch(address, data), recipient_id))
             if source != self.import_id and not seen:
                 touched.append((recipient_id,))
-        self.inserted += len(pending) - len(known)
         self.updated += len(touched)
-        self.conn.executemany(f"INSERT INTO {self.conn.sql['temp']}.import_touched (id) "
-                              "VALUES (?)", touched)
-        now, inserts, updates = _now(), [], []
-        for folded, (address, keys, values) in pending.items():
-            recipient_id = known.get(folded)
-            if recipient_id is None:
-                inserts.append((self.datasource, address, self.import_id, now,
-                                _data_json(keys, values)))
-            else:  # blank values remove what the recipient had
-                updates.append((now, _data_json(keys, values, blank="null"), recipient_id))
-        self.conn.executemany(
+        conn.executemany(f"INSERT INTO {temp}.import_touched (id) VALUES (?)", touched)
+        inserted = conn.execute(
             "INSERT INTO recipient (datasource, email, import, created, updated, data) "
-            "VALUES (?1, ?2, ?3, ?4, ?4, ?5)", inserts)
-        self.conn.executemany(
-            "UPDATE recipient SET updated = ?, data = "
-            f"{self.conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?", updates)
-        if self.erased is not None and inserts:
-            self.erased(self.conn, [row[1] for row in inserts])
+            "SELECT ?1, key, ?2, ?3, ?3, value FROM json_each(?4) WHERE 1 "
+            "ON CONFLICT DO NOTHING", (self.datasource, self.import_id, now, chunk)).rowcount
+        self.inserted += inserted
+        conn.executemany("UPDATE recipient SET updated = ?, data = "
+                         f"{conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?",
+                         updates)
+        if self.erased is not None and inserted:
+            self.erased(conn, [address for address in json.loads(chunk) if address not in known])
 
     def finish(self):
         """The last flush: after it every row is written and the figures are
@@ -3009,6 +3026,40 @@ def _data_json(keys, values, *, blank=None):
     return "{" + ",".join(members) + "}"
 
 
+def _chunk_json(pending):
+    """The rows of ``pending`` as flush() writes them on SQLite: one JSON object
+    ``{address: data}`` in their order, data as _data_json() has it.
+
+    Built a column at a time by C (the json module's string encoder, joins of
+    the columns with the key text between), because it runs for every
+    imported row; a row with a blank value, or a chunk whose rows name other
+    fields (a json upload), takes _data_json() row by row.
+    """
+    addresses, keyses, rows = zip(*pending.values())
+    keys = keyses[0]
+    if keyses.count(keys) != len(keyses):
+        return "{" + ",".join([f"{_json_string(address)}:{_data_json(keys, values)}"
+                               for address, keys, values in pending.values()]) + "}"
+    parts, blank = [map(_json_string, addresses)], set()
+    for at, (key, column) in enumerate(zip(keys, zip(*rows))):
+        if set(map(type, column)) == {str}:
+            encode = _json_string
+            if "" in column or any(map(str.isspace, column)):
+                blank.update(i for i, value in enumerate(column) if not value or value.isspace())
+        else:
+            encode = _to_json
+            blank.update(i for i, value in enumerate(column) if value is None or (
+                value.__class__ is str and (not value or value.isspace())))
+        parts += [itertools.repeat(f'{"," if at else ":{"}"{key}":'), map(encode, column)]
+    parts.append(itertools.repeat("}" if keys else ":{}"))
+    if not blank:
+        return "{" + ",".join(map("".join, zip(*parts))) + "}"
+    texts = list(map("".join, zip(*parts)))
+    for i in blank:
+        texts[i] = f"{_json_string(addresses[i])}:{_data_json(keys, rows[i])}"
+    return "{" + ",".join(texts) + "}"
+
+
 def _picker(indexes):
     """A function of a row (list of cells) giving the cells at ``indexes`` as a tuple."""
     if len(indexes) == 1:
@@ -3072,59 +3123,292 @@ def _sniff_delimiter(line):
     return best if counts[best] else ","
 
 
-def _import_csv(importer, raw):
-    """Read a CSV file lazily, row by row, into the importer."""
-    stream = io.TextIOWrapper(io.BytesIO(raw), encoding=_text_encoding(raw), newline="")
-    first = stream.readline()
-    delimiter = None
+#: Bytes of a quote-free CSV file decoded and split at a time (ends on a line end).
+_BLOCK_BYTES = 1 << 18
+#: A CSV upload of this many bytes or more is read and checked in a child
+#: process on SQLite, while this one writes the chunks (_ChildReader).
+CHILD_READS_BYTES = 1 << 20
+
+
+def _csv_delimiter(first, next_line):
+    """The delimiter and the header line: Excel's "sep=;" line if ``first`` is
+    one (the header is the line after), else the most frequent in ``first``."""
     if first.strip().lower().startswith("sep=") and len(first.strip()) == 5:
-        delimiter, first = first.strip()[4], stream.readline()  # Excel's "sep=;" line
-    reader = csv.reader(itertools.chain([first], stream),
-                        delimiter=delimiter or _sniff_delimiter(first))
-    header = next(reader, None)
-    if not header or not any(cell.strip() for cell in header):
-        raise InvalidData("The upload has no header row; nothing was imported.",
-                          field="__uploaddata__")
-    email_at = next((i for i, name in enumerate(header) if _is_email_column(name)), None)
-    if email_at is None:
-        raise InvalidData("The upload has no email column (named email, e-mail or "
-                          "emailaddress); nothing was imported.", field="__uploaddata__")
-    columns = [(i, column) for i, column in ((i, importer.column(name)) for i, name
-                                             in enumerate(header) if i != email_at) if column]
-    # Text cells go to SQL as they are; only typed ones are converted here.
-    text = [(i, key) for i, (key, kind) in columns if kind == "text"]
-    typed = [(i, key, kind) for i, (key, kind) in columns if kind != "text"]
-    text_cells, typed_cells = _picker([i for i, _ in text]), _picker([i for i, _, _ in typed])
-    text_keys = tuple(key for _, key in text)
-    typed_keys, kinds = tuple(key for _, key, _ in typed), [kind for _, _, kind in typed]
-    keys = text_keys + typed_keys
-    width, number = len(header), 1
-    nul = b"\x00" in raw   # rare (and in every UTF-16 file): only then look at each row
+        return first.strip()[4], next_line()
+    return _sniff_delimiter(first), first
+
+
+def _csv_records(raw):
+    """The header of a CSV file (a list of cells, or None) and the records
+    after it in batches of at most CHUNK_ROWS, each a list of cells or, for
+    an unreadable record, its csv.Error.  Decoded lazily, a block at a time:
+    the decoded text of a large upload is never whole in memory."""
+    encoding = _text_encoding(raw)
+    if b'"' in raw or b"\x00" in raw or encoding == "utf-16":
+        stream = io.TextIOWrapper(io.BytesIO(raw), encoding=encoding, newline="")
+        delimiter, first = _csv_delimiter(stream.readline(), stream.readline)
+        reader = csv.reader(itertools.chain([first], stream), delimiter=delimiter)
+        return next(reader, None), _reader_batches(reader)
+    lines = itertools.chain.from_iterable(_unquoted_lines(raw, encoding))
+    delimiter, first = _csv_delimiter(next(lines, ""), lambda: next(lines, ""))
+    return first.split(delimiter), _split_batches(lines, delimiter)
+
+
+def _reader_batches(reader):
+    batch = []
     while True:
         try:
             for cells in reader:
-                number += 1
-                if not any(cells):
-                    continue  # a blank line
-                if len(cells) < width:
-                    cells += [""] * (width - len(cells))
-                values = text_cells(cells)
-                if nul and any("\x00" in cell for cell in values):
-                    importer.rows += 1
-                    importer.skip(number, "a NUL character is not allowed")
-                    continue
-                if typed:
-                    converted = importer.convert(number, typed_keys, kinds, typed_cells(cells))
-                    if converted is None:
-                        importer.rows += 1
-                        continue
-                    values += converted
-                importer.add(number, cells[email_at], keys, values)
-            return
-        except csv.Error as error:
-            number += 1
+                batch.append(cells)
+                if len(batch) >= CHUNK_ROWS:
+                    yield batch
+                    batch = []
+            break
+        except csv.Error as error:  # the reader goes on with the next record
+            batch.append(error)
+    if batch:
+        yield batch
+
+
+def _unquoted_lines(raw, encoding):
+    """The lines of CSV text without a quote, in lists a block at a time.
+    Without quotes a record is a line, and lines end as the csv module (on
+    a text stream with newline="") has them: at CR LF, CR or LF."""
+    start = 0
+    while start < len(raw):
+        end = raw.find(b"\n", start + _BLOCK_BYTES) + 1 or len(raw)
+        text = raw[start:end].decode(encoding if start == 0 or encoding != "utf-8-sig"
+                                     else "utf-8")
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        lines = text.split("\n")
+        if not lines[-1]:
+            lines.pop()  # what follows the last line end
+        yield lines
+        start = end
+
+
+def _split_batches(lines, delimiter):
+    """Batches of the records of quote-free ``lines``: each line split at the
+    delimiter, as csv.reader would, unless a line is longer than its field
+    limit; then csv.reader says which record it refuses, and why."""
+    limit = csv.field_size_limit()
+    while batch := list(itertools.islice(lines, CHUNK_ROWS)):
+        if max(map(len, batch)) > limit:
+            yield next(_reader_batches(csv.reader(batch, delimiter=delimiter)))
+        else:
+            yield list(map(str.split, batch, itertools.repeat(delimiter)))
+
+
+class _CsvLayout:
+    """What the header of a CSV upload says: where the email column is, the
+    field of each other column (text cells go to SQL as they are, typed ones
+    are converted), and the width that short rows are padded to."""
+
+    def __init__(self, importer, header, nul):
+        if not header or not any(cell.strip() for cell in header):
+            raise InvalidData("The upload has no header row; nothing was imported.",
+                              field="__uploaddata__")
+        self.email_at = next((i for i, name in enumerate(header) if _is_email_column(name)),
+                             None)
+        if self.email_at is None:
+            raise InvalidData("The upload has no email column (named email, e-mail or "
+                              "emailaddress); nothing was imported.", field="__uploaddata__")
+        columns = [(i, column) for i, column in ((i, importer.column(name)) for i, name
+                                                 in enumerate(header) if i != self.email_at)
+                   if column]
+        text = [(i, key) for i, (key, kind) in columns if kind == "text"]
+        typed = [(i, key, kind) for i, (key, kind) in columns if kind != "text"]
+        self.text_cells = _picker([i for i, _ in text])
+        self.typed_cells = _picker([i for i, _, _ in typed])
+        self.typed = [(i, kind) for i, _, kind in typed]
+        self.typed_keys, self.kinds = tuple(key for _, key, _ in typed), [k for _, _, k in typed]
+        self.keys = tuple(key for _, key in text) + self.typed_keys
+        self.width = len(header)
+        self.nul = nul   # rare (and in every UTF-16 file): only then look at each row
+
+
+def _csv_row(importer, layout, number, cells):
+    """One record of a CSV upload, row ``number``, into the importer."""
+    if cells.__class__ is csv.Error:
+        importer.rows += 1
+        return importer.skip(number, f"unreadable row: {cells}")
+    if not any(cells):
+        return  # a blank line
+    if len(cells) < layout.width:
+        cells += [""] * (layout.width - len(cells))
+    values = layout.text_cells(cells)
+    if layout.nul and any("\x00" in cell for cell in values):
+        importer.rows += 1
+        return importer.skip(number, "a NUL character is not allowed")
+    if layout.typed:
+        converted = importer.convert(number, layout.typed_keys, layout.kinds,
+                                     layout.typed_cells(cells))
+        if converted is None:
             importer.rows += 1
-            importer.skip(number, f"unreadable row: {error}")
+            return
+        values += converted
+    importer.add(number, cells[layout.email_at], layout.keys, values)
+
+
+def _csv_batch(importer, layout, number, records):
+    """The records after row ``number`` into the importer, as _csv_row() would
+    take them one by one (the same rows, figures, messages and row numbers),
+    but a column at a time where it can: the addresses checked by one regex
+    (those already normal are stored as they are), the typed columns
+    converted whole.  The other rows (blank, unreadable, short, an address to
+    normalize or refuse) go through _csv_row() in their place.  Gives the
+    number of the last row."""
+    if layout.nul or any(map(_IS_CSV_ERROR, records)) or min(map(len, records)) < layout.width:
+        for cells in records:
+            number += 1
+            _csv_row(importer, layout, number, cells)
+        return number
+    values = list(map(layout.text_cells, records))
+    if layout.typed:
+        try:
+            columns = [list(map(convert_value, itertools.repeat(kind),
+                                map(operator.itemgetter(i), records)))
+                       for i, kind in layout.typed]
+        except ValueError:  # _csv_row() names the row and the field
+            for cells in records:
+                number += 1
+                _csv_row(importer, layout, number, cells)
+            return number
+        values = list(map(operator.add, values, zip(*columns)))
+    emails = list(map(operator.itemgetter(layout.email_at), records))
+    folded = list(map(str.lower if all(map(str.isascii, emails)) else _nocase, emails))
+    others = itertools.compress(itertools.count(),
+                                map(operator.not_, map(_EMAIL_NORMAL_RE.fullmatch, emails)))
+    start = 0
+    for at in itertools.chain(others, [len(records)]):
+        if at > start:  # rows start .. at-1 are whole, with normal addresses
+            keys = importer.stored_keys(layout.keys)
+            importer.rows += at - start
+            importer.pending.update(zip(folded[start:at], zip(
+                emails[start:at], itertools.repeat(keys), values[start:at])))
+        if at < len(records):
+            _csv_row(importer, layout, number + 1 + at, records[at])
+        start = at + 1
+    if len(importer.pending) >= CHUNK_ROWS:
+        importer.flush()
+    return number + len(records)
+
+
+_IS_CSV_ERROR = csv.Error.__instancecheck__
+
+
+def _import_csv(importer, raw):
+    """Read a CSV file lazily, a batch of records at a time, into the importer
+    (a large one on SQLite through a child process: see _ChildReader)."""
+    header, batches = _csv_records(raw)
+    layout = _CsvLayout(importer, header, nul=b"\x00" in raw)
+    if importer.conn.engine == "sqlite" and len(raw) >= CHILD_READS_BYTES and \
+            hasattr(os, "fork"):
+        return _ChildReader(importer, layout).run(batches)
+    number = 1
+    for records in batches:
+        number = _csv_batch(importer, layout, number, records)
+
+
+class _ChildReader:
+    """A large CSV upload on SQLite, read by two processes at once: a child
+    forked here parses and checks the records and builds each chunk's JSON
+    (the Python half of an import, which the GIL would keep from overlapping
+    with anything in this process) while this one writes the chunk before it
+    (the SQLite half), in the request's one transaction.
+
+    The child never touches the database: its importer sends each chunk down
+    a pipe (marshal) instead of writing it.  The new fields of the columns are
+    made before the fork, so that the child names them by id (renaming them
+    in each chunk cost the writer a second per million rows), and removed
+    again if no row was stored, as add() would not have made them.  Last the
+    child sends the figures and the row errors, or the exception that stopped
+    it, raised here as if read here.  The child is reaped on every path; on
+    an error here it is killed first.
+    """
+
+    def __init__(self, importer, layout):
+        self.importer, self.layout = importer, layout
+
+    def run(self, batches):
+        importer = self.importer
+        made = [label for key, label in importer.unmade.items() if key in self.layout.keys]
+        self.layout.keys = importer.stored_keys(self.layout.keys)
+        self.stored = False
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            self._read(batches, write_end)  # never returns
+        os.close(write_end)
+        done = False
+        try:
+            with open(read_end, "rb") as source:
+                while not done:
+                    done = self._receive(*marshal.load(source))
+        except EOFError:
+            raise RuntimeError("The import's reader process ended early.") from None
+        finally:
+            if not done:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if made and not self.stored:
+            importer.conn.executemany("DELETE FROM field WHERE datasource = ? AND name = ?",
+                                      [(importer.datasource, label) for label in made])
+
+    def _read(self, batches, write_end):
+        """The child: read every batch, send the chunks, the figures, or why not."""
+        status = 1
+        try:
+            gc.disable()  # it ends with the import: no cycles worth a collection
+            with open(write_end, "wb") as out:
+                importer = self.importer
+                importer.unmade, importer.made = {}, {}    # made already (run())
+
+                def send():
+                    pending, importer.pending = importer.pending, {}
+                    if pending:
+                        marshal.dump(("chunk", _chunk_json(pending)), out)
+
+                importer.flush = send
+                try:
+                    number = 1
+                    for records in batches:
+                        number = _csv_batch(importer, self.layout, number, records)
+                    send()
+                    message = ("done", importer.rows, importer.skipped, importer.errors)
+                except UnicodeDecodeError as error:
+                    message = ("undecodable", error.encoding, error.reason)
+                except ApiError as error:
+                    message = ("refused", type(error).__name__, error.message, error.extra)
+                except Exception:
+                    message = ("failed", traceback.format_exc())
+                marshal.dump(message, out)
+            status = 0
+        finally:
+            os._exit(status)
+
+    def _receive(self, kind, *data):
+        """One message of the child; True once it sent the figures."""
+        importer = self.importer
+        if kind == "chunk":
+            self.stored = True
+            blanks = dict.fromkeys(self.layout.keys)
+            importer.write(data[0], lambda address, values: _to_json(
+                {**blanks, **json.loads(values)}))
+            return False
+        if kind == "done":
+            importer.rows, importer.skipped, importer.errors = data
+            return True
+        if kind == "undecodable":
+            raise UnicodeDecodeError(data[0], b"", 0, 0, data[1])
+        if kind == "refused":
+            refusal = {error.__name__: error for error in ApiError.__subclasses__()}[data[0]]
+            raise refusal(data[1], **data[2])
+        raise RuntimeError(f"The import's reader process failed:\n{data[0]}")
 
 
 def _import_json(importer, data):
