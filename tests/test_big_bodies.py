@@ -69,13 +69,13 @@ def test_an_import_takes_short_turns_at_the_gil_and_gives_them_back(api, monkeyp
     """While an import runs (and only then) the switch interval is short;
     the process's own comes back after a success and after a refusal."""
     ds = api.put("/datasource/0", name="turns", fields=[{"name": "age", "type": "integer"}])["id"]
-    seen, add = [], campaignapi._Importer.add
+    seen, finish = [], campaignapi._Importer.finish
 
     def watching(self, *args):
         seen.append(sys.getswitchinterval())
-        return add(self, *args)
+        return finish(self, *args)
 
-    monkeypatch.setattr(campaignapi._Importer, "add", watching)
+    monkeypatch.setattr(campaignapi._Importer, "finish", watching)
     before = sys.getswitchinterval()
     assert before > campaignapi.IMPORT_SWITCH_INTERVAL
     api.put(f"/datasource/{ds}/import/0", name="x", originalfile="x.csv", __uploadtype__="csv",
