@@ -1547,6 +1547,13 @@ def _body_text(body):
                     for start in range(0, end, _PIECE)])
 
 
+def _has_surrogate_escape(body):
+    """Whether the JSON text holds a \\uD800-\\uDFFF escape, looked for a piece
+    at a time (an escape across two pieces is found: they overlap)."""
+    return any(_SURROGATE_ESCAPE.search(body, start, start + _PIECE + 8)
+               for start in range(0, len(body), _PIECE))
+
+
 def _b64_pieces(data):
     """``base64.b64decode(data, validate=True)`` a piece at a time: strict
     base64 (the alphabet, padding only at the very end) or binascii.Error."""
@@ -1586,7 +1593,7 @@ def _read_params(route, environ, limit):
             document = json.loads(_body_text(body))
         except (ValueError, RecursionError):
             raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
-        if b"\\u" in body and _SURROGATE_ESCAPE.search(body):
+        if _has_surrogate_escape(body):
             # A \uD800-\uDFFF escape that is not half of a pair decodes to a
             # lone surrogate, which SQLite and UTF-8 output cannot hold.
             try:
@@ -3311,6 +3318,14 @@ def _import_csv(importer, raw):
         number = _csv_batch(importer, layout, number, records)
 
 
+def _open_max():
+    """One past the highest file descriptor a process may have."""
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        return 65536
+
+
 class _ChildReader:
     """A large CSV upload on SQLite, read by two processes at once: a child
     forked here parses and checks the records and builds each chunk's JSON
@@ -3339,7 +3354,11 @@ class _ChildReader:
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.close(read_end)
+            # Only the pipe stays open here: a copy of a socket of the app's
+            # other requests would keep each connection the app closes open
+            # until the import ends (their clients waited that long).
+            os.closerange(3, write_end)
+            os.closerange(write_end + 1, _open_max())
             self._read(batches, write_end)  # never returns
         os.close(write_end)
         done = False

@@ -85,3 +85,11 @@ def test_an_import_takes_short_turns_at_the_gil_and_gives_them_back(api, monkeyp
     api.put(f"/datasource/{ds}/import/0", status=422, name="x", originalfile="x.csv",
             __uploadtype__="base64", __uploaddata__="not base64 at all!")
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("offset", [0, PIECE - 6, PIECE - 3, PIECE - 1, PIECE, 2 * PIECE + 1])
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\uDFFF", b"\\u00e9"])
+def test_surrogate_escapes_are_found_across_pieces(offset, escape):
+    body = b'{"a": "' + b"x" * offset + escape + b'"}' + b" " * 10
+    one_call = campaignapi._SURROGATE_ESCAPE.search(body) is not None
+    assert campaignapi._has_surrogate_escape(body) == one_call == (escape != b"\\u00e9")

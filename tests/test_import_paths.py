@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import socket
 
 import pytest
 
@@ -213,3 +214,27 @@ def test_a_child_read_upload_without_a_stored_row_makes_no_field(api, db):
     assert (record["rows"], record["inserted"], record["skipped"]) == ("40000", "0", "40000")
     assert scalar(db, "SELECT count(*) FROM field WHERE datasource = ?", ds) == 1
     assert children() <= before
+
+
+def test_the_reading_child_keeps_no_socket_of_the_app_open(api, db, monkeypatch):
+    """A connection the app closes while the child reads is closed for its
+    client at once, not when the import ends: the child keeps only its pipe."""
+    if db.startswith("postgresql"):
+        pytest.skip("the child process reads for SQLite only")
+    ds, seen = make_datasource(api), []
+    ours, peer = socket.socketpair()   # stands for a client connection of the app
+
+    def closing_a_connection(self, chunk, patch):
+        if not seen:   # the child is reading the next chunks meanwhile
+            ours.close()
+            peer.settimeout(5)
+            seen.append(peer.recv(1))   # end of stream, unless a copy is open
+        return write(self, chunk, patch)
+
+    write = campaignapi._Importer.write
+    monkeypatch.setattr(campaignapi._Importer, "write", closing_a_connection)
+    try:
+        import_csv(api, ds, big_upload(30000))
+    finally:
+        peer.close()
+    assert seen == [b""]
