@@ -2763,11 +2763,10 @@ class _Importer:
                              else "no email address")
         keys = self.stored_keys(keys)
         folded = _nocase(address)
-        earlier = self.pending.get(folded)
-        if earlier is not None and earlier[1] != keys:  # a repeat with other fields: merge
-            merged = {**dict(zip(earlier[1], earlier[2])), **dict(zip(keys, values))}
-            keys, values = tuple(merged), tuple(merged.values())
-        self.pending[folded] = (address, keys, values)
+        row, earlier = (address, keys, values), self.pending.get(folded)
+        if earlier is not None:   # a repeat in the chunk: merged, its own spelling kept
+            row = (address, *_merged(earlier, row)[1:])
+        self.pending[folded] = row
         if len(self.pending) >= CHUNK_ROWS:
             self.flush()
 

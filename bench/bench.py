@@ -1039,9 +1039,7 @@ def latency_figures(seconds):
     """p50, p99 and max of latencies in seconds, in ms."""
     if not seconds:
         return {"p50_ms": None, "p99_ms": None, "max_ms": None}
-    return {"p50_ms": round(percentile(seconds, 50) * 1000, 2),
-            "p99_ms": round(percentile(seconds, 99) * 1000, 2),
-            "max_ms": round(max(seconds) * 1000, 2)}
+    return {**_latencies(seconds), "max_ms": round(max(seconds) * 1000, 2)}
 
 
 async def _public_request(port, raw, due):
