@@ -32,8 +32,9 @@ __all__ = [
     "verp_address", "read_verp", "message_id_for", "read_message_id", "MailboxError",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
-    "InvalidIdentifier", "Unauthorized", "InsufficientAccess", "NotFound", "MethodNotAllowed",
-    "Conflict", "VerificationFailed", "PayloadTooLarge", "UnsupportedMediaType", "InvalidData",
+    "InvalidIdentifier", "InvalidHost", "Unauthorized", "InsufficientAccess", "NotFound",
+    "MethodNotAllowed", "Conflict", "VerificationFailed", "PayloadTooLarge",
+    "UnsupportedMediaType", "InvalidData",
 ]
 
 import argparse
@@ -92,8 +93,14 @@ DEFAULT_CONFIG = {
     # Largest request body accepted, in bytes; larger ones get 413 unread.
     "max_body": 64 * 1024 * 1024,
     # Base URL of the API as the outside world sees it, for links in emails
-    # (download, unsubscribe). Empty: taken from the request that causes them.
+    # and pages (confirm, unsubscribe, open, click, download...).  Empty: taken
+    # from the request that causes them, if allowed_hosts allows its host.
     "public_url": "",
+    # Without public_url: the hosts a request's Host (or X-Forwarded-Host) may
+    # name for links to be built from it, as Django's ALLOWED_HOSTS: a name,
+    # ".example.com" (the domain and its subdomains) or "*" (any host name).
+    # Empty: this machine's names only (LOCAL_HOSTS).  Another host: 400 invalid_host.
+    "allowed_hosts": (),
     # Secret for signed tokens; empty: generated once and kept in the database.
     "secret": "",
     # Seconds a verified API key is remembered by the app, saving a query per
@@ -170,6 +177,11 @@ class UnknownParameter(ApiError):
 
 class InvalidIdentifier(ApiError):
     status, code = 400, "invalid_identifier"
+
+
+class InvalidHost(ApiError):
+    """A link would be built from a host the operator did not allow (link_base())."""
+    status, code = 400, "invalid_host"
 
 
 class Unauthorized(ApiError):
@@ -1427,6 +1439,68 @@ class Route:
         return ids
 
 
+# Where links point -----------------------------------------------------------
+
+#: A host as a request may name it (Django's check): a DNS name or an IP
+#: literal, then an optional port.  Nothing else ever goes into a link.
+_HOST_NAME = r"[a-z0-9.-]+|\[[a-f0-9]*:[a-f0-9.:]+\]"
+_REQUEST_HOST = re.compile(rf"({_HOST_NAME})(?::[0-9]{{1,5}})?")
+#: What an empty allowed_hosts allows: this machine's own names (Django's
+#: list when DEBUG is on), so that an app in development builds its links.
+LOCAL_HOSTS = (".localhost", "127.0.0.1", "[::1]")
+
+
+def _checked_hosts(value):
+    """The allowed_hosts setting as a tuple of lower-case patterns (one
+    string: a list of one); ValueError naming a pattern that is none."""
+    patterns = []
+    for given in (value,) if isinstance(value, str) else tuple(value or ()):
+        pattern = given.strip().lower() if isinstance(given, str) else ""
+        if pattern != "*" and not re.fullmatch(_HOST_NAME, pattern.removeprefix(".")):
+            raise ValueError(f"allowed_hosts holds host names such as news.example.com, "
+                             f".example.com (the domain and its subdomains) or *, not {given!r}")
+        patterns.append(pattern)
+    return tuple(patterns)
+
+
+def _host_allowed(name, patterns):
+    """Whether the host ``name`` (lower case, no port) matches a pattern."""
+    name = name.removesuffix(".")
+    return any(pattern in ("*", name) or (pattern.startswith(".") and (
+        name.endswith(pattern) or name == pattern[1:])) for pattern in patterns)
+
+
+def link_base(environ, config, prefix=""):
+    """The root URL (without ``/v1``) of the links this API puts in emails and
+    pages: the ``public_url`` setting; without one, the request's scheme and
+    host (X-Forwarded-Proto and X-Forwarded-Host first, as a proxy in front
+    sets them), its script name and ``prefix``, when ``allowed_hosts`` allows
+    that host.  Every link the service builds goes through here.
+
+    :param environ: the request's WSGI environ.
+    :param config: the app's settings.
+    :param prefix: where a parent Bottle app mounted this one.
+    :raises InvalidHost: the request names a host that is not allowed or no
+        host at all, or a scheme other than http and https.
+    """
+    if config["public_url"]:
+        return config["public_url"].rstrip("/")
+    scheme = (environ.get("HTTP_X_FORWARDED_PROTO") or environ.get("wsgi.url_scheme")
+              or "http").strip().lower()
+    host = environ.get("HTTP_X_FORWARDED_HOST") or environ.get("HTTP_HOST") or (
+        f"{environ.get('SERVER_NAME', '')}:{environ.get('SERVER_PORT', '')}".rstrip(":"))
+    host = host.strip().lower()
+    found = _REQUEST_HOST.fullmatch(host)
+    if scheme not in ("http", "https") or found is None or not _host_allowed(
+            found[1], config["allowed_hosts"] or LOCAL_HOSTS):
+        raise InvalidHost(
+            f"This server builds no links for {scheme[:20]}://{host[:100]}: the operator "
+            "names the hosts links may use in the allowed_hosts setting, or sets public_url.")
+    root = "/".join(part for part in (environ.get("SCRIPT_NAME", "").strip("/"),
+                                      prefix.strip("/")) if part)
+    return f"{scheme}://{host}" + (f"/{root}" if root else "")
+
+
 class Call:
     """What a handler gets: the connection, the caller's account, the
     parameters given (already checked), the parent record of a child route,
@@ -1439,7 +1513,7 @@ class Call:
         self.conn, self.account, self.params = conn, account, params
         self.service, self.response_id = service, response_id
         self.parent, self.memo = None, {}
-        self.base = base   # base_url when there is no request (a kept write applied later)
+        self.base = base   # base_url, given when there is no request (a kept write applied later)
 
     def get(self, name, default=None):
         return self.params.get(name, default)
@@ -1458,16 +1532,12 @@ class Call:
 
     @property
     def base_url(self):
-        """Where this API is reachable from outside: for links in emails."""
-        if self.base:
-            return self.base
-        if self.service.config["public_url"]:
-            return self.service.config["public_url"].rstrip("/")
-        request = bottle.request
-        prefix = self.service.app.config.get("_mount.prefix", "") or ""
-        scheme, netloc = request.urlparts[:2]
-        root = (request.script_name.rstrip("/") + "/" + prefix.strip("/")).rstrip("/")
-        return f"{scheme}://{netloc}{root}"
+        """Where this API is reachable from outside, for links in emails and
+        pages: Service.link_base(), kept for the rest of the request.
+        InvalidHost when the request names a host that is not allowed."""
+        if not self.base:
+            self.base = self.service.link_base()
+        return self.base
 
 
 def _content_type(environ):
@@ -1765,6 +1835,20 @@ class Service:
         if self._secret is None:
             self._secret = self.config["secret"] or _stored_secret(self.conn())
         return self._secret
+
+    def link_base(self):
+        """link_base() of the request being answered, under this app's mount prefix."""
+        return link_base(bottle.request.environ, self.config,
+                         self.app.config.get("_mount.prefix", "") or "")
+
+    def root(self):
+        """GET of the app's root: a redirect to the index (GET /v1/)."""
+        try:
+            outcome = bottle.HTTPResponse(status=302, headers={
+                "Location": self.link_base() + "/v1/"})
+        except InvalidHost as error:
+            outcome = error
+        return self.finish(_new_response_id(), time.perf_counter(), outcome)
 
     def dispatch(self, route, raw_ids):
         """The request pipeline: every route goes through here."""
@@ -3475,6 +3559,7 @@ def _import_json(importer, data):
 def _import_create(call, child_id):
     """Import a CSV file or an array of objects into the datasource, as one
     transaction (the request's), in chunks; mail the figures to the account."""
+    call.base_url  # noqa: B018  (the email links the record: a refused host reads nothing)
     datasource = call.parent
     upload_type = call.params["__uploadtype__"]
     # Popped, so that once read it is garbage: the upload is the big thing.
@@ -3562,6 +3647,9 @@ EXPORT = Resource("export", "export", _export_record, parent=DATASOURCE, parent_
 
 def _export_get(call, child_id):
     """Id 0: export the datasource now; a positive id: an earlier export."""
+    # The record holds its download link: a host that gets no links is
+    # refused before the export, which is not one transaction, is made.
+    call.base_url  # noqa: B018
     if child_id == 0:
         return {"export": _export_record(call, _run_export(call))}
     return EXPORT.get(call, child_id)
@@ -9921,12 +10009,14 @@ def create_app(db="campaignapi.db", **config):
     :param db: path of the SQLite file; created with the schema if new.
     :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
     :raises ValueError: a bounce setting that cannot work (bounce_domain,
-        postmark_credentials, sendgrid_public_key, ses_topic_arns).
+        postmark_credentials, sendgrid_public_key, ses_topic_arns), or an
+        allowed_hosts pattern that is no host name.
     """
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"create_app() got unknown settings: {', '.join(sorted(unknown))}")
     config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
+    config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
     init_db(db)
     service = Service(db, config)
     app = service.app = bottle.Bottle(catchall=True)
@@ -9938,8 +10028,7 @@ def create_app(db="campaignapi.db", **config):
                   callback=lambda _route=route, **ids: service.dispatch(_route, ids),
                   name=f"{route.method} {route.path}")
     # The root sends people and tools to the index.
-    app.route("/", "GET", callback=lambda: bottle.HTTPResponse(status=302, headers={
-        "Location": urllib.parse.urljoin(bottle.request.url, "v1/")}), name="root")
+    app.route("/", "GET", callback=service.root, name="root")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
@@ -10079,6 +10168,11 @@ def _smtp(text):
 def _imap(text):
     server_address(text, "the IMAP server")
     return text
+
+
+@_argument_type
+def _allowed_host(text):
+    return _checked_hosts(text)[0]
 
 
 @_argument_type
@@ -10248,11 +10342,13 @@ def _cmd_serve(args):
     _check_database(args.db, must_exist=False)
     sockets, port = _claim_port(args.host, args.port)
     try:
-        public_url = args.public_url or f"http://{_url_host(args.host)}:{port}"
-        options["public_url"] = public_url
+        options["public_url"] = args.public_url or f"http://{_url_host(args.host)}:{port}"
+        # --allowed-host without --public-url: links follow the request's host.
+        public_url = "" if args.allowed_host and not args.public_url else options["public_url"]
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
             app = create_app(args.db, public_url=public_url, max_body=args.max_body,
+                             allowed_hosts=tuple(args.allowed_host or ()),
                              webhook_allow_private=args.webhook_allow_private,
                              templates_dir=args.templates_dir or "", signup_rate=args.signup_rate,
                              **_bounce_settings(args))
@@ -10497,6 +10593,12 @@ def main(argv=None):
     serve.add_argument("--public-url", default=None, type=_http_url, metavar="URL",
                        help="base URL of the API as the outside world sees it, for links in "
                             "emails (default: http://HOST:PORT)")
+    serve.add_argument("--allowed-host", action="append", default=None, type=_allowed_host,
+                       metavar="HOST",
+                       help="without --public-url: links are built from a request's Host (or "
+                            "X-Forwarded-Host) when it is this host; .example.com: the domain "
+                            "and its subdomains, *: any; others get 400 invalid_host; "
+                            "repeatable (default: none, links use http://HOST:PORT)")
     serve.add_argument("--threads", type=_whole_number(1, 1000), default=8, metavar="N",
                        help="waitress threads answering requests, 1 to 1000 "
                             "(default: %(default)s)")

@@ -152,7 +152,7 @@ def test_levels_and_security_follow_the_route_table(document):
 
 def test_every_error_code_is_described(document):
     expected = {400: {"invalid_json", "missing_parameter", "invalid_parameter",
-                      "unknown_parameter", "invalid_identifier"},
+                      "unknown_parameter", "invalid_identifier", "invalid_host"},
                 401: {"unauthorized"}, 403: {"insufficient_access"}, 404: {"not_found"},
                 405: {"method_not_allowed"}, 409: {"conflict", "verification_failed"},
                 413: {"payload_too_large"}, 415: {"unsupported_media_type"},
