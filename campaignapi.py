@@ -10276,7 +10276,9 @@ def _cmd_serve(args):
         # own limit is set to ours: a body over it is refused from its
         # Content-Length, unread (waitress refuses at >=, hence the + 1).
         waitress.serve(app, host=args.host, port=port, threads=args.threads,
-                       ident="campaignapi", max_request_body_size=args.max_body + 1)
+                       ident="campaignapi", max_request_body_size=args.max_body + 1,
+                       **_connection_settings(args.connection_limit, args.channel_timeout,
+                                              listeners=len(sockets)))
     except KeyboardInterrupt:
         pass
     except OSError as error:  # only if another process took the port since _claim_port
@@ -10285,6 +10287,20 @@ def _cmd_serve(args):
     finally:
         stop.set()
         worker.join(timeout=60)
+
+
+def _connection_settings(limit, timeout, listeners):
+    """waitress's settings of client connections from serve's options.
+
+    waitress counts its listening sockets and its wake-up pipe among the
+    connections it holds, so they are added: ``--connection-limit N`` holds N
+    clients.  It looks for idle connections every ``cleanup_interval``
+    seconds (30 by default, longer than a short timeout), so here every half
+    timeout: an idle connection is closed 1 to 1.5 timeouts after its last
+    byte.  poll() rather than select(), which fails past file descriptor 1023.
+    """
+    return {"connection_limit": limit + listeners + 1, "channel_timeout": timeout,
+            "cleanup_interval": max(1, min(30, timeout // 2)), "asyncore_use_poll": True}
 
 
 def _raise(error):
@@ -10504,6 +10520,18 @@ def main(argv=None):
                        default=DEFAULT_CONFIG["max_body"],
                        help="largest request body; waitress answers a larger one with a "
                             "plain-text 413 before reading it (default: %(default)s, 64 MiB)")
+    # waitress holds 100 connections for 120 s: a hundred clients that send
+    # half a request and wait shut everyone else out (README, Deployment).
+    serve.add_argument("--connection-limit", type=_whole_number(1, 100000), metavar="N",
+                       default=500,
+                       help="client connections held at once, more wait to be accepted; each "
+                            "is a file descriptor, so keep it under ulimit -n "
+                            "(default: %(default)s)")
+    serve.add_argument("--channel-timeout", type=_whole_number(1, 86400), metavar="SECONDS",
+                       default=30,
+                       help="a connection that has sent nothing for this long, halfway through "
+                            "a request too, is closed unless it awaits its answer "
+                            "(default: %(default)s)")
     serve.add_argument("--signup-rate", type=_whole_number(0, 10**6), metavar="N",
                        default=DEFAULT_CONFIG["signup_rate"],
                        help="public sign-ups taken from one client address a minute; 0: no "
