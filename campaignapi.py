@@ -8289,6 +8289,9 @@ def _http_target(url):
         raise ValueError("The URL's host or port is not valid.") from None
     if not host:
         raise ValueError("The URL must name a host, as in https://example.com/hook.")
+    if "%" in host:   # [fe80::1%25eth0] (RFC 6874), and no DNS name has one
+        raise ValueError("The URL's host must not contain '%': an IPv6 zone such as %25eth0 "
+                         "names a network interface of the sender, not the receiver.")
     scheme = parts.scheme.lower()
     default = 443 if scheme == "https" else 80
     if port == 0:
@@ -8308,8 +8311,11 @@ def _resolve(host, port, deadline):
         ipaddress.ip_address(host)
     except ValueError:
         pass
-    else:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    else:   # no DNS: an address that cannot be used is the URL's fault
+        try:
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            raise ValueError(f"The URL's address {host} cannot be used ({error}).") from None
     answer = {}
 
     def look_up():
