@@ -3615,10 +3615,29 @@ def _run_export(call):
     return row
 
 
+#: What a text cell may not start with as typed: a spreadsheet would read
+#: it as a formula (OWASP, "CSV Injection").  Such a cell gets a leading '.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _spreadsheet_text(text):
+    """A text cell of a file for people: ``'`` before a formula's first sign."""
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
+def _spreadsheet_value(value):
+    """A text or email field's cell (numbers, dates and flags print as display_value())."""
+    return _spreadsheet_text(display_value(value))
+
+
 def _write_export(conn, datasource_id, path):
     """Stream the datasource's active recipients into ``path``; the row count."""
-    fields = sorted(field for field in datasource_fields(conn, datasource_id).values()
-                    if field[2] != "email")
+    # Every field but the email column itself: another field of type email
+    # is a column of its own.
+    fields = sorted(field for name, field in datasource_fields(conn, datasource_id).items()
+                    if name != "email")
+    cells = [_spreadsheet_text] + [_spreadsheet_value if kind in ("text", "email")
+                                   else display_value for _, _, kind in fields]
     # Field ids are integers from our own table, never request text.
     columns = "".join(", " + conn.sql["json_item"].format(json="data", key=int(field_id))
                       for field_id, _, _ in fields)
@@ -3638,7 +3657,7 @@ def _write_export(conn, datasource_id, path):
             writer.writerow(["email"] + [name for _, name, _ in fields])
             for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
                                       "AND status = 'active' ORDER BY id", (datasource_id,)):
-                writer.writerow([row[0], *map(display_value, row[1:])])
+                writer.writerow([cell(value) for cell, value in zip(cells, row)])
                 count += 1
         os.replace(partial, path)
     finally:
