@@ -98,7 +98,7 @@ def test_channel_timeout_closes_an_idle_connection(tmp_path):
         started = time.monotonic()
         clients[0].settimeout(10)
         assert clients[0].recv(65536) == b""   # closed by the server, no answer
-        assert 0.9 <= time.monotonic() - started <= 4
+        assert 0.9 <= time.monotonic() - started <= 8   # the default would be 30 to 45
         # The server itself goes on answering.
         with request(server.port, server.secret) as sock:
             assert answer(sock, timeout=10) == 200
