@@ -3703,10 +3703,29 @@ def _run_export(call):
     return row
 
 
+#: What a text cell may not start with as typed: a spreadsheet would read
+#: it as a formula (OWASP, "CSV Injection").  Such a cell gets a leading '.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _spreadsheet_text(text):
+    """A text cell of a file for people: ``'`` before a formula's first sign."""
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
+
+
+def _spreadsheet_value(value):
+    """A text or email field's cell (numbers, dates and flags print as display_value())."""
+    return _spreadsheet_text(display_value(value))
+
+
 def _write_export(conn, datasource_id, path):
     """Stream the datasource's active recipients into ``path``; the row count."""
-    fields = sorted(field for field in datasource_fields(conn, datasource_id).values()
-                    if field[2] != "email")
+    # Every field but the email column itself: another field of type email
+    # is a column of its own.
+    fields = sorted(field for name, field in datasource_fields(conn, datasource_id).items()
+                    if name != "email")
+    cells = [_spreadsheet_text] + [_spreadsheet_value if kind in ("text", "email")
+                                   else display_value for _, _, kind in fields]
     # Field ids are integers from our own table, never request text.
     columns = "".join(", " + conn.sql["json_item"].format(json="data", key=int(field_id))
                       for field_id, _, _ in fields)
@@ -3726,7 +3745,7 @@ def _write_export(conn, datasource_id, path):
             writer.writerow(["email"] + [name for _, name, _ in fields])
             for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
                                       "AND status = 'active' ORDER BY id", (datasource_id,)):
-                writer.writerow([row[0], *map(display_value, row[1:])])
+                writer.writerow([cell(value) for cell, value in zip(cells, row)])
                 count += 1
         os.replace(partial, path)
     finally:
@@ -8377,6 +8396,9 @@ def _http_target(url):
         raise ValueError("The URL's host or port is not valid.") from None
     if not host:
         raise ValueError("The URL must name a host, as in https://example.com/hook.")
+    if "%" in host:   # [fe80::1%25eth0] (RFC 6874), and no DNS name has one
+        raise ValueError("The URL's host must not contain '%': an IPv6 zone such as %25eth0 "
+                         "names a network interface of the sender, not the receiver.")
     scheme = parts.scheme.lower()
     default = 443 if scheme == "https" else 80
     if port == 0:
@@ -8396,8 +8418,11 @@ def _resolve(host, port, deadline):
         ipaddress.ip_address(host)
     except ValueError:
         pass
-    else:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    else:   # no DNS: an address that cannot be used is the URL's fault
+        try:
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            raise ValueError(f"The URL's address {host} cannot be used ({error}).") from None
     answer = {}
 
     def look_up():
@@ -10372,7 +10397,9 @@ def _cmd_serve(args):
         # own limit is set to ours: a body over it is refused from its
         # Content-Length, unread (waitress refuses at >=, hence the + 1).
         waitress.serve(app, host=args.host, port=port, threads=args.threads,
-                       ident="campaignapi", max_request_body_size=args.max_body + 1)
+                       ident="campaignapi", max_request_body_size=args.max_body + 1,
+                       **_connection_settings(args.connection_limit, args.channel_timeout,
+                                              listeners=len(sockets)))
     except KeyboardInterrupt:
         pass
     except OSError as error:  # only if another process took the port since _claim_port
@@ -10381,6 +10408,20 @@ def _cmd_serve(args):
     finally:
         stop.set()
         worker.join(timeout=60)
+
+
+def _connection_settings(limit, timeout, listeners):
+    """waitress's settings of client connections from serve's options.
+
+    waitress counts its listening sockets and its wake-up pipe among the
+    connections it holds, so they are added: ``--connection-limit N`` holds N
+    clients.  It looks for idle connections every ``cleanup_interval``
+    seconds (30 by default, longer than a short timeout), so here every half
+    timeout: an idle connection is closed 1 to 1.5 timeouts after its last
+    byte.  poll() rather than select(), which fails past file descriptor 1023.
+    """
+    return {"connection_limit": limit + listeners + 1, "channel_timeout": timeout,
+            "cleanup_interval": max(1, min(30, timeout // 2)), "asyncore_use_poll": True}
 
 
 def _raise(error):
@@ -10606,6 +10647,18 @@ def main(argv=None):
                        default=DEFAULT_CONFIG["max_body"],
                        help="largest request body; waitress answers a larger one with a "
                             "plain-text 413 before reading it (default: %(default)s, 64 MiB)")
+    # waitress holds 100 connections for 120 s: a hundred clients that send
+    # half a request and wait shut everyone else out (README, Deployment).
+    serve.add_argument("--connection-limit", type=_whole_number(1, 100000), metavar="N",
+                       default=500,
+                       help="client connections held at once, more wait to be accepted; each "
+                            "is a file descriptor, so keep it under ulimit -n "
+                            "(default: %(default)s)")
+    serve.add_argument("--channel-timeout", type=_whole_number(1, 86400), metavar="SECONDS",
+                       default=30,
+                       help="a connection that has sent nothing for this long, halfway through "
+                            "a request too, is closed unless it awaits its answer "
+                            "(default: %(default)s)")
     serve.add_argument("--signup-rate", type=_whole_number(0, 10**6), metavar="N",
                        default=DEFAULT_CONFIG["signup_rate"],
                        help="public sign-ups taken from one client address a minute; 0: no "

@@ -162,6 +162,9 @@ def test_a_dkim_key_that_cannot_be_used(tmp_path, key_file, words):
     (["--port", "65536"], "--port"),
     (["--port", "http"], "--port"),
     (["--max-body", "0"], "--max-body"),
+    (["--connection-limit", "0"], "--connection-limit"),
+    (["--channel-timeout", "0"], "--channel-timeout"),
+    (["--channel-timeout", "1.5"], "--channel-timeout"),
     (["--public-url", "ftp://mail.example.com"], "--public-url"),
     (["--public-url", "mail.example.com"], "--public-url"),
     (["--public-url", "https://"], "--public-url"),
@@ -234,6 +237,7 @@ def test_every_option_says_its_default(tmp_path):
                             ("--db", "campaignapi.db"), ("--threads", "8"),
                             ("--connections", "1"), ("--rate", "no limit"),
                             ("--max-body", "67108864"), ("--email", "admin@example.com"),
+                            ("--connection-limit", "500"), ("--channel-timeout", "30"),
                             ("--smtp", "none"), ("--public-url", "http://HOST:PORT")]:
         # "--port PORT TCP port; ... (default: 8080)" in argparse's help
         pattern = rf" {re.escape(option)} [A-Z:]+ [^()]*\(default: {re.escape(default)}\b"

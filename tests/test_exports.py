@@ -8,7 +8,7 @@ import pytest
 import webtest
 
 import campaignapi
-from helpers import database, import_csv, make_datasource
+from helpers import database, import_csv, make_datasource, make_signup_list, recipients
 
 
 @pytest.fixture
@@ -114,3 +114,47 @@ def test_empty_datasource_exports_a_header(api, client):
     record = api.get(f"/datasource/{ds}/export/0")["export"]
     assert record["rows"] == "0"
     assert client.get(_path(record["url"])).body == b"email,city\r\n"
+
+
+def exported(api, client, ds):
+    """The rows of a new export of ``ds``, downloaded by its link, parsed by csv."""
+    url = api.get(f"/datasource/{ds}/export/0")["export"]["url"]
+    text = client.get(_path(url)).body.decode("utf-8")
+    return list(csv.reader(io.StringIO(text, newline="")))
+
+
+def test_text_cells_never_start_a_formula(api, client):
+    """OWASP's CSV injection: a text cell (the email column and text fields)
+    that starts with = + - @ tab or CR gets a leading '; numbers, dates and
+    flags print as their type does."""
+    ds = make_signup_list(api, doubleoptin=0, fields=[
+        {"name": "first", "type": "text"}, {"name": "n", "type": "integer"},
+        {"name": "x", "type": "number"}, {"name": "d", "type": "date"},
+        {"name": "b", "type": "boolean"}])
+    import_csv(api, ds, "email,first,n,x,d,b\n"
+                        "-ann@example.com,\"=cmd|' /C calc'!A0\",-5,-2.5,2020-01-02,1\n"
+                        'bob@example.com,"\t=1+1",,,,0\n'
+                        'cid@example.com,"\r=2",7,,,\n'
+                        "eve@example.com,plain - text,0,+1.5,,\n")
+    for values in ({"email": "=1+2@example.com", "first": "@SUM(1+1)"},
+                   {"email": "+1+1@example.com", "first": "+1+1"}):
+        assert client.post(f"/v1/subscribe/{ds}", values).status_int == 200
+    assert exported(api, client, ds) == [
+        ["email", "first", "n", "x", "d", "b"],
+        ["'-ann@example.com", "'=cmd|' /C calc'!A0", "-5", "-2.5", "2020-01-02", "1"],
+        ["bob@example.com", "'\t=1+1", "", "", "", "0"],
+        ["cid@example.com", "'\r=2", "7", "", "", ""],
+        ["eve@example.com", "plain - text", "0", "1.5", "", ""],
+        ["'=1+2@example.com", "'@SUM(1+1)", "", "", "", ""],
+        ["'+1+1@example.com", "'+1+1", "", "", "", ""]]
+    # The records keep what was typed; only the file for people changes.
+    assert {"-ann@example.com", "=1+2@example.com"} <= set(recipients(api, ds))
+
+
+def test_a_field_of_type_email_is_a_column_of_its_own(api, client):
+    ds = make_datasource(api, fields=[{"name": "work", "type": "email"}])
+    import_csv(api, ds, "email,work\nann@example.com,=w@example.com\n"
+                        "bob@example.com,bob@work.example\n")
+    assert exported(api, client, ds) == [["email", "work"],
+                                         ["ann@example.com", "'=w@example.com"],
+                                         ["bob@example.com", "bob@work.example"]]

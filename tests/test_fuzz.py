@@ -132,6 +132,11 @@ def stored(value):
     return None if value.strip(" \t\n\r\x0b\x0c\xa0") == "" else value
 
 
+def spreadsheet(cell):
+    """A text cell as an export writes it: a ' before = + - @ tab or CR (OWASP)."""
+    return "'" + cell if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
+
+
 @pytest.fixture(scope="module")
 def importer(tmp_path_factory):
     db = str(tmp_path_factory.mktemp("csv") / "campaignapi.db")
@@ -147,6 +152,10 @@ def test_csv_round_trip_in_any_dialect(importer, table, dialect, upload):
     records and through the export's CSV."""
     client, api, _ = importer
     names, rows = table
+    # csv.writer quotes a field for the characters of its own line end only:
+    # with "\n", a value holding "\r" goes out bare, and reads as a line end.
+    assume(dialect["lineterminator"] == "\r\n" or not any("\r" in cell for row in rows
+                                                          for cell in row))
     text = io.StringIO(newline="")
     writer = csv.writer(text, **dialect)
     writer.writerow(["email"] + names)
@@ -174,7 +183,7 @@ def test_csv_round_trip_in_any_dialect(importer, table, dialect, upload):
                                            newline="")))
     assert exported[0] == ["email"] + names
     assert sorted(exported[1:]) == sorted(
-        [row[0]] + [stored(v) or "" for v in row[1:]] for row in rows)
+        [spreadsheet(row[0])] + [spreadsheet(stored(v) or "") for v in row[1:]] for row in rows)
 
 
 @settings(BOUNDED, max_examples=60)

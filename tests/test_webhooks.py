@@ -114,6 +114,41 @@ def test_allowing_private_addresses_never_allows_metadata_ones(hooks):
         assert "a cloud metadata address" in data["message"]
 
 
+SCOPED = ["http://[fe80::1%25lo]/", "http://[fe80::1%lo]/hook", "http://[::1%251]:8080/",
+          "https://[2001:db8::1%25eth0]/hook", "http://[fe80::1%25no-such-interface]/"]
+
+
+@pytest.mark.parametrize("url", SCOPED)
+def test_a_scoped_ipv6_address_is_refused_like_any_bad_url(api, hooks, db, url):
+    """A zone names an interface of the sending machine: refused, the private
+    setting on or off (an unknown zone once escaped as a 500)."""
+    for app in (api, hooks):
+        made = app.put("/webhook/0", url="https://1.1.1.1/hook")
+        before = snapshot(db)
+        for method, path in (("PUT", "/webhook/0"), ("POST", f"/webhook/{made['id']}")):
+            data = app.call(method, path, {"url": url}, status=400)
+            assert data["error"] == "invalid_parameter" and data["field"] == "url"
+            assert "IPv6 zone" in data["message"]
+        assert snapshot(db) == before
+
+
+def test_a_scoped_address_stored_earlier_fails_its_delivery_quietly(hooks, db):
+    with EventReceiver() as receiver:
+        make_webhook(hooks, receiver)
+    with database(db) as conn:   # as a version that took it left it
+        conn.execute("UPDATE webhook SET url = ?", (SCOPED[0],))
+    import_csv(hooks, make_datasource(hooks), "email\nann@example.com\n")
+    assert deliver(db)["retried"] == 1
+    assert "IPv6 zone" in webhook(hooks, 1)["lasterror"]
+    for allow_private in (False, True):
+        status, error = campaignapi.post_webhook(SCOPED[-1], {}, b"{}",
+                                                 allow_private=allow_private)
+        assert status is None and "IPv6 zone" in error
+    # The resolver itself answers an address it cannot use as the URL's fault.
+    with pytest.raises(ValueError, match="cannot be used"):
+        campaignapi._resolve("fe80::1%no-such-interface", 80, time.monotonic() + 5)
+
+
 @pytest.mark.parametrize("params,field", [
     ({"events": ["import.finished", "nope"]}, "events"),
     ({"events": "import.finished"}, "events"),
