@@ -1301,11 +1301,23 @@ PARAM_TYPES = {
 
 
 class Param:
-    """One declared parameter of a route: ``name:type`` with ``!`` if required."""
+    """One declared parameter of a route: ``name:type`` with ``!`` if required.
+
+    ``name:type@kind`` declares that the value names a record of that kind
+    (a list: each item; a scalar: when it is an id) of the caller's account:
+    Route.check_references() answers one the caller does not have -- unknown,
+    or another account's -- with the same 404.  ``@kind?``: a record that may
+    be made later (verify reports it missing), never looked up at a write;
+    whatever reads it filters by the owner, so another account's id reads as
+    missing too.
+    """
 
     def __init__(self, spec):
         spec, self.required = (spec[:-1], True) if spec.endswith("!") else (spec, False)
         self.name, _, self.type = spec.partition(":")
+        self.type, _, refers = self.type.partition("@")
+        self.made_later = refers.endswith("?")
+        self.refers = refers.rstrip("?") or None
         self.type = self.type or "str"
         if "|" in self.type:  # a choice: one of the listed strings
             self.choices = self.type.split("|")
@@ -1379,6 +1391,9 @@ class Route:
         # JSON Schema keywords that tie body parameters together (if/then).
         self.body_rules = body_rules or {}
         self.params = {p.name: p for p in map(Param, params.split())}
+        for param in self.params.values():   # a kind the account owns, not a child kind
+            if param.refers and Resource.kinds[param.refers].parent is not None:
+                raise ValueError(f"{param.name} names a {param.refers}, which is no owned kind")
         self.writes = method != "GET" if writes is None else writes
         self.reads_body, self.body, self.errors = reads_body, body, tuple(errors)
         # A route a person opens in a browser (a link of an email, a form):
@@ -1401,12 +1416,39 @@ class Route:
 
     def run(self, call, ids):
         """Call the handler: with the parent record looked up first (its owner
-        checked, and for a writing route refused if deleted), then the child id."""
+        checked, and for a writing route refused if deleted), then the records
+        the parameters name, then the child id."""
         if self.parent is not None:
             call.parent = self.parent.find(call.conn, call.account, ids["parent_id"],
                                            live=self.writes)
+            self.check_references(call)
             return self.handler(call, ids["child_id"])
+        self.check_references(call)
         return self.handler(call, *ids.values())
+
+    def check_references(self, call, params=None):
+        """Look up every record the parameters (``params``, default the
+        call's) name, as its kind's find() does for a path id: a record the
+        caller does not have is 404 whether it is unknown or another
+        account's, with the same words; on a writing route a deleted one is 409."""
+        params = call.params if params is None else params
+        for param in self.params.values():
+            if param.refers is None or param.made_later or params.get(param.name) is None:
+                continue
+            kind, value = Resource.kinds[param.refers], params[param.name]
+            for where, item in ([(f"{param.name}[{index}]", item) for index, item in
+                                 enumerate(value)] if param.type == "list" else [(param.name, value)]):
+                number = _as_int(item.strip() if isinstance(item, str) else item)
+                if number is None and param.type == "list":
+                    raise InvalidParameter(f"{where} must be a {kind.label} id.", field=param.name)
+                if number is None:   # a scalar that is no id: a name its handler reads
+                    continue
+                try:
+                    kind.find(call.conn, call.account, number, live=self.writes)
+                except (NotFound, Conflict) as error:
+                    error.message = f"'{where}': {error.message}"
+                    error.extra["field"] = param.name
+                    raise
 
     def parse_ids(self, raw):
         ids = {}
@@ -2224,29 +2266,20 @@ _SIGNUP_REFS = ("confirmmessage", "welcomemessage", "fromprofile")
 
 def _datasource_values(call, row):
     """The columns of a datasource create or change, with the sign-up
-    settings checked: their messages and profile are live records of the
-    account, a confirmation message carries {{confirm_url}} in each body it
-    has, and sign-ups need a sender profile."""
+    settings checked (the route has found their messages and profile among
+    the account's live records): a confirmation message carries
+    {{confirm_url}} in each body it has, and sign-ups need a sender profile."""
     # Bad fields are refused before the row is written: on PostgreSQL an id
     # taken by a rolled-back insert is not given again.
     _checked_fields(call.get("fields", []))
     values = _columns(call, DATASOURCE.column_names)
-    for name, kind in (("confirmmessage", MESSAGE), ("welcomemessage", MESSAGE),
-                       ("fromprofile", ACCOUNTPROFILE)):
-        if values.get(name) is None:
-            continue
-        try:
-            record = kind.find(call.conn, call.account, values[name], live=True)
-        except (NotFound, Conflict) as error:   # a reference: 404 missing, 409 deleted
-            error.message = f"'{name}': {error.message}"
-            error.extra["field"] = name
-            raise
-        if name == "confirmmessage":
-            bodies = [record[body] for body in ("html", "text") if record[body].strip()]
-            if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
-                raise Conflict(
-                    f"Message {values[name]} cannot be the confirmation email: each of its "
-                    "bodies must carry the merge tag {{confirm_url}}.", field=name)
+    if values.get("confirmmessage") is not None:
+        record = MESSAGE.find(call.conn, call.account, values["confirmmessage"])
+        bodies = [record[body] for body in ("html", "text") if record[body].strip()]
+        if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
+            raise Conflict(
+                f"Message {values['confirmmessage']} cannot be the confirmation email: each of "
+                "its bodies must carry the merge tag {{confirm_url}}.", field="confirmmessage")
     merged = {**(dict(row) if row else {}), **values}
     if merged.get("signup") and merged.get("fromprofile") is None:
         raise Conflict("A datasource takes sign-ups only with a sender profile for its "
@@ -2304,7 +2337,8 @@ def _add_fields(call, datasource):
 DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
     columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
-            "confirmmessage:ref welcomemessage:ref fromprofile:ref", required="name",
+            "confirmmessage:ref@message welcomemessage:ref@message fromprofile:ref@accountprofile",
+    required="name",
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
     selectors={"import": "origin = 'import'"}, values=_datasource_values,
     after_create=_add_fields, after_change=_add_fields)
@@ -3860,8 +3894,7 @@ def _check_defaulttemplate(call, value):
         if number is None:
             raise InvalidParameter("'defaulttemplate' is not a template id.",
                                    field="defaulttemplate")
-        TEMPLATE.find(call.conn, call.account, number, live=True)
-        return str(number)
+        return str(number)   # a live template of the caller's: the route found it
     if value:
         if not call.service.config["templates_dir"]:
             raise Conflict("This server has no templates folder (the templates_dir setting, "
@@ -3953,15 +3986,11 @@ def segment_filter(conn, datasources, match, conditions):
     return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
 
 
-def _checked_datasources(conn, account, given):
-    """Segment ``datasources`` as a list of ids the account owns and uses."""
+def _checked_datasources(given):
+    """Segment ``datasources`` as a list of ids, each once (the route has
+    found them among the account's live datasources)."""
     ids = []
-    for index, item in enumerate(given):
-        datasource = _as_int(item)
-        if datasource is None:
-            raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
-                                   field="datasources")
-        DATASOURCE.find(conn, account, datasource, live=True)
+    for datasource in map(_as_int, given):
         if datasource not in ids:
             ids.append(datasource)
     return ids
@@ -4014,7 +4043,7 @@ def _checked_conditions(conn, datasources, given):
 def _segment_values(call, row):
     values = _columns(call, ("name", "match"))
     if "datasources" in call.params:
-        datasources = _checked_datasources(call.conn, call.account, call.params["datasources"])
+        datasources = _checked_datasources(call.params["datasources"])
     else:
         datasources = json.loads(row["datasources"]) if row else []
     if row is None or "datasources" in call.params or "conditions" in call.params:
@@ -4056,7 +4085,7 @@ def _segment_record(call, row):
 
 
 SEGMENT = Resource("segment", "segment", _segment_record,
-                   columns="name:str datasources:list match:all|any conditions:list",
+                   columns="name:str datasources:list@datasource match:all|any conditions:list",
                    values=_segment_values, repeat={"delete": "id"})
 
 
@@ -4102,8 +4131,9 @@ def _cancel_if_unscheduled(call, campaign_id):
 #: waiting for its time (read in the same statement as the record).
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
-    columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
-            "defaulttemplate:scalar thumbnail:str tracking:flag", required="name accountprofile",
+    columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
+            "archiveemail:email defaulttemplate:scalar@template thumbnail:str tracking:flag",
+    required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",
@@ -4123,14 +4153,11 @@ def _link_record(call, row):
 
 
 def _link_values(call, row):
-    """The checked ``segment``, ``message``, ``priority`` of a link: the segment
-    and message must be the account's and in use; a duplicate link is 409."""
+    """The checked ``segment``, ``message``, ``priority`` of a link (the route
+    has found the segment and message among the account's live records); a
+    duplicate link is 409."""
     campaign_id = call.parent["id"]
     values = _columns(call, LINK.column_names)
-    if "segment" in values:
-        SEGMENT.find(call.conn, call.account, values["segment"], live=True)
-    if "message" in values:
-        MESSAGE.find(call.conn, call.account, values["message"], live=True)
     segment = values.get("segment", row and row["segment"])
     message = values.get("message", row and row["message"])
     duplicate = call.conn.execute(
@@ -4146,7 +4173,7 @@ def _link_values(call, row):
 #: lower priority numbers first, then the order of linking.
 LINK = Resource(
     "campaign message", "campaign_message", _link_record, parent=CAMPAIGN, parent_key="campaign",
-    columns="segment:int message:int priority:int", required="segment message",
+    columns="segment:int@segment message:int@message priority:int", required="segment message",
     repeat={"change": "segmentmessageid!", "delete": "segmentmessagehack!"}, values=_link_values,
     select="campaign_message.*, message.subject, message.name",
     source="campaign_message JOIN message ON message.id = campaign_message.message",
@@ -7181,9 +7208,9 @@ def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=Fals
 # The bounce routes -------------------------------------------------------------
 
 #: POST /v1/bounce with JSON: the parameters, checked as the pipeline checks any.
-_BOUNCE_PARAMS = "email:email type:hard|soft|complaint campaign:int reason:text"
+_BOUNCE_PARAMS = "email:email type:hard|soft|complaint campaign:int@campaign reason:text"
 _BOUNCE_JSON = Route("POST", "/bounce", "write", None, "email:email! type:hard|soft|complaint! "
-                     "campaign:int reason:text")
+                     "campaign:int@campaign reason:text", writes=False)
 _RAW_TYPES = ("message/rfc822", "message/global")
 
 
@@ -7207,10 +7234,9 @@ def _bounce_post(call):
         if not params["email"]:
             raise InvalidParameter("'email' is the address that bounced or complained.",
                                    field="email")
-        campaign = params.get("campaign")
-        if campaign is not None:
-            CAMPAIGN.find(call.conn, call.account, campaign)
-        report = {"type": params["type"], "email": params["email"], "campaign": campaign}
+        _BOUNCE_JSON.check_references(call, params)
+        report = {"type": params["type"], "email": params["email"],
+                  "campaign": params.get("campaign")}
     with transaction(call.conn):
         answer = apply_bounce(call.conn, report, account=call.account, secret=secret,
                               pending=call.memo.setdefault("events", []))
