@@ -4058,10 +4058,12 @@ def _segment_values(call, row):
 
 def segment_query(conn, segment):
     """``(where, params)`` over ``recipient r`` for a segment row: its active
-    recipients, in those of its datasources that are not deleted."""
+    recipients, in those of its datasources that are not deleted (and are
+    its account's)."""
     live = [row[0] for row in conn.execute(
-        "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
-        f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id", (segment["datasources"],))]
+        "SELECT id FROM datasource WHERE deleted = 0 AND owner = ? AND id IN "
+        f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id",
+        (segment["owner"], segment["datasources"]))]
     return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
 
 
@@ -4170,13 +4172,18 @@ def _link_values(call, row):
 
 
 #: A campaign message links a message to a segment.  The sending order:
-#: lower priority numbers first, then the order of linking.
+#: lower priority numbers first, then the order of linking.  A link counts
+#: only while its message and segment are its campaign's account's, so no
+#: listing, structure, verify, preview or send reads another account's
+#: record through one (the route refuses such a link to begin with).
 LINK = Resource(
     "campaign message", "campaign_message", _link_record, parent=CAMPAIGN, parent_key="campaign",
     columns="segment:int@segment message:int@message priority:int", required="segment message",
     repeat={"change": "segmentmessageid!", "delete": "segmentmessagehack!"}, values=_link_values,
     select="campaign_message.*, message.subject, message.name",
-    source="campaign_message JOIN message ON message.id = campaign_message.message",
+    source="campaign_message JOIN campaign ON campaign.id = campaign_message.campaign "
+           "JOIN message ON message.id = campaign_message.message AND message.owner = campaign.owner "
+           "JOIN segment ON segment.id = campaign_message.segment AND segment.owner = campaign.owner",
     order="campaign_message.priority, campaign_message.id",
     stamped=False, answer="message", schema="campaignmessage")
 
@@ -4197,11 +4204,12 @@ def _whole_campaign(campaign_id, child_id, what):
                        f"/campaign/{campaign_id}/{what}/0.")
 
 
-def _rows_by_id(conn, table, ids):
-    """``{id: row}`` of ``table`` (a fixed name) for the given ids."""
+def _rows_by_id(conn, table, ids, owner):
+    """``{id: row}`` of ``table`` (a fixed name) for the given ids that
+    ``owner`` (an account) has."""
     return {row["id"]: row for row in conn.execute(
-        f"SELECT * FROM {table} WHERE id IN ({conn.sql['json_ids'].format(array='?')})",
-        (json.dumps(sorted(set(ids))),))}
+        f"SELECT * FROM {table} WHERE id IN ({conn.sql['json_ids'].format(array='?')}) "
+        "AND owner = ?", (json.dumps(sorted(set(ids))), owner))}
 
 
 def segment_overlaps(conn, segments):
@@ -4253,7 +4261,7 @@ def campaign_structure(conn, account, campaign_id):
         entry = entries.setdefault(link["segment"], {
             "segment": str(link["segment"]), "priority": str(link["priority"]), "messages": []})
         entry["messages"].append(str(link["message"]))
-    rows = _rows_by_id(conn, "segment", entries)
+    rows = _rows_by_id(conn, "segment", entries, account)
     counts = segment_overlaps(conn, [rows[segment] for segment in entries])
     segments = []
     for segment, entry in entries.items():
@@ -4301,8 +4309,10 @@ class _Campaign:
         self.profile_address = self.profile is not None and _normalize_email(
             self.profile["fromaddress"])
         self.links = campaign_links(conn, campaign_id)
-        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links])
-        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links])
+        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links],
+                                    account)
+        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
+                                    account)
 
     def bodies(self, message):
         """``{"html", "text"}`` of a message as it is sent: inside the template
@@ -4456,7 +4466,8 @@ def _check_merge_tags(c):
     for link in c.links:
         message, segment = c.messages[link["message"]], c.segments[link["segment"]]
         known = {"email", "unsubscribe_url"}
-        for datasource in json.loads(segment["datasources"]):
+        for datasource in _rows_by_id(c.conn, "datasource", json.loads(segment["datasources"]),
+                                      segment["owner"]):
             known.update(datasource_fields(c.conn, datasource))
         unknown = sorted(set().union(merge_tags(message["subject"]), *map(
             merge_tags, c.bodies(message).values())) - known)
@@ -4490,7 +4501,7 @@ def _check_segment_definitions(c):
             problems.append(f"{label} has no datasources: set datasources with {fix}.")
             continue
         fields = set()
-        for row in _rows_by_id(c.conn, "datasource", datasources).values():
+        for row in _rows_by_id(c.conn, "datasource", datasources, segment["owner"]).values():
             if row["deleted"]:
                 problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
                                 f"set its datasources again with {fix}.")
@@ -4712,7 +4723,8 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
         log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
     for link in campaign_links(conn, campaign["id"]):
-        segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
+        segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
+                               (link["segment"], account)).fetchone()
         where, params = segment_query(conn, segment)
         # In address order (NOCASE, as the outbox's indexes on to_addr are):
         # those indexes then grow at their end instead of at random pages,
@@ -4757,7 +4769,8 @@ def _archive_message(conn, campaign, batch, message_id, template=None):
 
     Per-recipient merge tags stay visible as tags: the archive shows what
     every recipient got, not one recipient's data."""
-    message = conn.execute("SELECT * FROM message WHERE id = ?", (message_id,)).fetchone()
+    message = conn.execute("SELECT * FROM message WHERE id = ? AND owner = ?",
+                           (message_id, campaign["owner"])).fetchone()
     if conn.execute("SELECT 1 FROM batch_message WHERE batch = ? AND message = ?",
                     (batch["id"], message_id)).fetchone():
         return  # linked to two segments: prepared once
@@ -4938,8 +4951,7 @@ def _usable_template(call):
 def _link_letter(call, link, template):
     """``(message row, Letter)`` of a campaign message, prepared as a batch
     made now would send it."""
-    message = call.conn.execute("SELECT * FROM message WHERE id = ?",
-                                (link["message"],)).fetchone()
+    message = MESSAGE.find(call.conn, call.account, link["message"])
     return message, message_letter(call.conn, call.parent, message,
                                    prepare_message(message, template), call.base_url,
                                    default_mail_from())
@@ -4969,8 +4981,7 @@ def _built_email(call, letter, recipient, to_addr):
 def _campaign_preview(call, child_id):
     campaign = call.parent
     link = LINK.find(call.conn, campaign["id"], child_id)
-    segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
-                                (link["segment"],)).fetchone()
+    segment = SEGMENT.find(call.conn, call.account, link["segment"])
     wanted = call.get("recipient")
     recipient = _segment_recipient(call.conn, segment, wanted)
     if recipient is None and wanted is not None:
@@ -5006,11 +5017,10 @@ def _test_send(call, child_id, addresses):
     _verified(call, campaign["id"], TEST_SEND_CHECKS)
     template = _usable_template(call)
     for link in campaign_links(call.conn, campaign["id"]):
-        segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
-                                    (link["segment"],)).fetchone()
+        segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
         message, letter = _link_letter(call, link, template)
-        sender = campaign_sender(call.conn, campaign["accountprofile"], message)
+        sender = campaign_sender(call.conn, campaign, message)
         for address in checked.values():
             built = _built_email(call, letter, recipient, address)
             enqueue_email(call.conn, campaign["owner"], address, "[Test] " + built["subject"],
@@ -5903,7 +5913,8 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
     message's own sender wins where set, as for campaigns)."""
     conn, account = call.conn, datasource["owner"]
     profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
-                           "WHERE id = ?", (datasource["fromprofile"],)).fetchone()
+                           "WHERE id = ? AND owner = ?", (datasource["fromprofile"], account)
+                           ).fetchone()
     sender = {name: message[name] or (profile[name] if profile else "") or None
               for name in ("fromname", "fromaddress", "replyto")}
     values = {name.lower(): value for name, value in recipient_values(
@@ -7456,11 +7467,16 @@ class Letter:
                 + b'"\r\n\r\n' + body)
 
 
-def campaign_sender(conn, profile_id, message):
+def campaign_sender(conn, campaign, message):
     """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
-    message's own values where set, else the campaign's sender profile's."""
+    message's own values where set, else the campaign's sender profile's.
+
+    :param campaign: ``{"owner", "accountprofile"}``: a profile of another
+        account is no profile, just as one that does not exist.
+    """
     profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
-                           "WHERE id = ?", (profile_id,)).fetchone()
+                           "WHERE id = ? AND owner = ?",
+                           (campaign["accountprofile"], campaign["owner"])).fetchone()
     profile = dict(profile) if profile else {}
     return {name: message[name] or profile.get(name) or ""
             for name in ("fromname", "fromaddress", "replyto")}
@@ -7477,7 +7493,7 @@ def message_letter(conn, campaign, message, sent, base, mail_from):
     :param base: where the API is reachable, for unsubscribe links ('' none).
     :param mail_from: the sender when neither message nor profile has one.
     """
-    sender = campaign_sender(conn, campaign["accountprofile"], message)
+    sender = campaign_sender(conn, campaign, message)
     letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
                     sent["html"], from_name=sender["fromname"], reply_to=sender["replyto"],
                     list_id=f"<campaign-{campaign['id']}.{campaign['owner']}.campaignapi>")
@@ -7676,10 +7692,12 @@ class _Courier:
                 "SELECT b.base_url, b.tracking, c.id AS campaign, c.owner, c.accountprofile "
                 "FROM batch b JOIN campaign c ON c.id = b.campaign WHERE b.id = ?",
                 (batch_id,)).fetchone()
-            message = self.conn.execute("SELECT * FROM message WHERE id = ?",
-                                        (message_id,)).fetchone()
+            message = None if batch is None else self.conn.execute(
+                "SELECT * FROM message WHERE id = ? AND owner = ?",
+                (message_id, batch["owner"])).fetchone()
             if batch is None or message is None:
-                raise LookupError(f"batch {batch_id} or message {message_id} does not exist")
+                raise LookupError(f"batch {batch_id} or message {message_id} (of the campaign's "
+                                  "account) does not exist")
             # The content as the batch archived it when it was made, so an edit
             # of the message after the send changes no email still queued.
             sent_as = self.conn.execute(
