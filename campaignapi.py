@@ -1436,8 +1436,9 @@ class Route:
             if param.refers is None or param.made_later or params.get(param.name) is None:
                 continue
             kind, value = Resource.kinds[param.refers], params[param.name]
-            for where, item in ([(f"{param.name}[{index}]", item) for index, item in
-                                 enumerate(value)] if param.type == "list" else [(param.name, value)]):
+            items = [(f"{param.name}[{index}]", item) for index, item in enumerate(value)] \
+                if param.type == "list" else [(param.name, value)]
+            for where, item in items:
                 number = _as_int(item.strip() if isinstance(item, str) else item)
                 if number is None and param.type == "list":
                     raise InvalidParameter(f"{where} must be a {kind.label} id.", field=param.name)

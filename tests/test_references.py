@@ -10,7 +10,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from helpers import KEYED_ROUTES, build_world, route_id, send, snapshot
+from helpers import KEYED_ROUTES, build_world, database, route_id, send, snapshot
 
 #: An id that no record of any kind has; the walk creates at UNKNOWN + 1 and + 2.
 UNKNOWN = 9_000_000
@@ -88,7 +88,8 @@ def world(client, auth, other, db):
     mine["message2"] = mine_api.put("/message/0", name="second")["id"]
     mine["recipient"] = mine_api.get(f"/datasource/{mine['datasource']}/recipient/all")[
         "recipient"][0]["id"]
-    return {"mine": children(mine_api, mine), "theirs": children(theirs_api, theirs)}
+    return {"mine": children(mine_api, mine), "theirs": children(theirs_api, theirs),
+            "other": other}
 
 
 def children(api, ids):
@@ -302,3 +303,40 @@ def test_queued_emails_never_go_out_as_another_accounts_profile_named_after_the_
             assert message["Reply-To"] is None, address
     assert not any(b"their.example" in raw or b"Their Name" in raw
                    for _, _, raw in smtp_sink.messages)
+
+
+def test_references_stored_elsewhere_read_as_missing(client, pointed, world, db, smtp_sink):
+    """No route stores a reference to another account's record, but were one
+    stored (an old row, a hand edit), nothing reads through it: a link to their
+    message and segment, a datasource sending sign-up emails as their profile."""
+    api, mine, _ = pointed
+    theirs = world["theirs"]
+    Api(client, world["other"]).post(f"/message/{theirs['message']}", subject="Their subject")
+    with database(db) as conn, campaignapi.transaction(conn):
+        conn.execute("INSERT INTO campaign_message (campaign, segment, message, priority) "
+                     "VALUES (?, ?, ?, 0)", (int(mine["campaign"]), int(theirs["segment"]),
+                                             int(theirs["message"])))
+        conn.execute("UPDATE datasource SET signup = 1, fromprofile = ? WHERE id = ?",
+                     (int(theirs["profile"]), int(mine["datasource"])))
+        stray = conn.execute("SELECT max(id) FROM campaign_message").fetchone()[0]
+    campaign = mine["campaign"]
+    links = api.get(f"/campaign/{campaign}/message/all")["message"]
+    assert [link["id"] for link in links] == [mine["link"]]
+    assert api.get(f"/campaign/{campaign}/preview/{stray}", status=404)["error"] == "not_found"
+    seen = [api.get(f"/campaign/{campaign}/structure/0"), api.get(f"/campaign/{campaign}/verify/0")]
+    assert theirs["segment"] not in [s["segment"] for s in seen[0]["structure"]["segments"]]
+    api.put(f"/campaign/{campaign}/send/0", test=["qa@qa.example"])
+    api.put(f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
+    campaignapi.process_due(db)
+    response = client.post_json(f"/v1/subscribe/{mine['datasource']}",
+                                {"email": "new@signup.example"}, expect_errors=True)
+    assert response.status_int == 200, response.text
+    counts = campaignapi.deliver(db, smtp_sink.address)
+    assert counts["failed"] == 0, counts
+    arrived = smtp_sink.parsed()
+    assert "only.theirs@their.example" not in arrived
+    assert {"qa@qa.example", "ann@example.com", "new@signup.example"} <= set(arrived)
+    everything = repr(seen) + "".join(raw.decode("utf-8", "replace")
+                                      for _, _, raw in smtp_sink.messages)
+    assert "Their subject" not in everything and "Their Name" not in everything
+    assert "their.example" not in everything
