@@ -1313,11 +1313,23 @@ PARAM_TYPES = {
 
 
 class Param:
-    """One declared parameter of a route: ``name:type`` with ``!`` if required."""
+    """One declared parameter of a route: ``name:type`` with ``!`` if required.
+
+    ``name:type@kind`` declares that the value names a record of that kind
+    (a list: each item; a scalar: when it is an id) of the caller's account:
+    Route.check_references() answers one the caller does not have -- unknown,
+    or another account's -- with the same 404.  ``@kind?``: a record that may
+    be made later (verify reports it missing), never looked up at a write;
+    whatever reads it filters by the owner, so another account's id reads as
+    missing too.
+    """
 
     def __init__(self, spec):
         spec, self.required = (spec[:-1], True) if spec.endswith("!") else (spec, False)
         self.name, _, self.type = spec.partition(":")
+        self.type, _, refers = self.type.partition("@")
+        self.made_later = refers.endswith("?")
+        self.refers = refers.rstrip("?") or None
         self.type = self.type or "str"
         if "|" in self.type:  # a choice: one of the listed strings
             self.choices = self.type.split("|")
@@ -1391,6 +1403,9 @@ class Route:
         # JSON Schema keywords that tie body parameters together (if/then).
         self.body_rules = body_rules or {}
         self.params = {p.name: p for p in map(Param, params.split())}
+        for param in self.params.values():   # a kind the account owns, not a child kind
+            if param.refers and Resource.kinds[param.refers].parent is not None:
+                raise ValueError(f"{param.name} names a {param.refers}, which is no owned kind")
         self.writes = method != "GET" if writes is None else writes
         self.reads_body, self.body, self.errors = reads_body, body, tuple(errors)
         # A route a person opens in a browser (a link of an email, a form):
@@ -1413,12 +1428,40 @@ class Route:
 
     def run(self, call, ids):
         """Call the handler: with the parent record looked up first (its owner
-        checked, and for a writing route refused if deleted), then the child id."""
+        checked, and for a writing route refused if deleted), then the records
+        the parameters name, then the child id."""
         if self.parent is not None:
             call.parent = self.parent.find(call.conn, call.account, ids["parent_id"],
                                            live=self.writes)
+            self.check_references(call)
             return self.handler(call, ids["child_id"])
+        self.check_references(call)
         return self.handler(call, *ids.values())
+
+    def check_references(self, call, params=None):
+        """Look up every record the parameters (``params``, default the
+        call's) name, as its kind's find() does for a path id: a record the
+        caller does not have is 404 whether it is unknown or another
+        account's, with the same words; on a writing route a deleted one is 409."""
+        params = call.params if params is None else params
+        for param in self.params.values():
+            if param.refers is None or param.made_later or params.get(param.name) is None:
+                continue
+            kind, value = Resource.kinds[param.refers], params[param.name]
+            items = [(f"{param.name}[{index}]", item) for index, item in enumerate(value)] \
+                if param.type == "list" else [(param.name, value)]
+            for where, item in items:
+                number = _as_int(item.strip() if isinstance(item, str) else item)
+                if number is None and param.type == "list":
+                    raise InvalidParameter(f"{where} must be a {kind.label} id.", field=param.name)
+                if number is None:   # a scalar that is no id: a name its handler reads
+                    continue
+                try:
+                    kind.find(call.conn, call.account, number, live=self.writes)
+                except (NotFound, Conflict) as error:
+                    error.message = f"'{where}': {error.message}"
+                    error.extra["field"] = param.name
+                    raise
 
     def parse_ids(self, raw):
         ids = {}
@@ -2308,29 +2351,20 @@ _SIGNUP_REFS = ("confirmmessage", "welcomemessage", "fromprofile")
 
 def _datasource_values(call, row):
     """The columns of a datasource create or change, with the sign-up
-    settings checked: their messages and profile are live records of the
-    account, a confirmation message carries {{confirm_url}} in each body it
-    has, and sign-ups need a sender profile."""
+    settings checked (the route has found their messages and profile among
+    the account's live records): a confirmation message carries
+    {{confirm_url}} in each body it has, and sign-ups need a sender profile."""
     # Bad fields are refused before the row is written: on PostgreSQL an id
     # taken by a rolled-back insert is not given again.
     _checked_fields(call.get("fields", []))
     values = _columns(call, DATASOURCE.column_names)
-    for name, kind in (("confirmmessage", MESSAGE), ("welcomemessage", MESSAGE),
-                       ("fromprofile", ACCOUNTPROFILE)):
-        if values.get(name) is None:
-            continue
-        try:
-            record = kind.find(call.conn, call.account, values[name], live=True)
-        except (NotFound, Conflict) as error:   # a reference: 404 missing, 409 deleted
-            error.message = f"'{name}': {error.message}"
-            error.extra["field"] = name
-            raise
-        if name == "confirmmessage":
-            bodies = [record[body] for body in ("html", "text") if record[body].strip()]
-            if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
-                raise Conflict(
-                    f"Message {values[name]} cannot be the confirmation email: each of its "
-                    "bodies must carry the merge tag {{confirm_url}}.", field=name)
+    if values.get("confirmmessage") is not None:
+        record = MESSAGE.find(call.conn, call.account, values["confirmmessage"])
+        bodies = [record[body] for body in ("html", "text") if record[body].strip()]
+        if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
+            raise Conflict(
+                f"Message {values['confirmmessage']} cannot be the confirmation email: each of "
+                "its bodies must carry the merge tag {{confirm_url}}.", field="confirmmessage")
     merged = {**(dict(row) if row else {}), **values}
     if merged.get("signup") and merged.get("fromprofile") is None:
         raise Conflict("A datasource takes sign-ups only with a sender profile for its "
@@ -2388,7 +2422,8 @@ def _add_fields(call, datasource):
 DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
     columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
-            "confirmmessage:ref welcomemessage:ref fromprofile:ref", required="name",
+            "confirmmessage:ref@message welcomemessage:ref@message fromprofile:ref@accountprofile",
+    required="name",
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
     selectors={"import": "origin = 'import'"}, values=_datasource_values,
     after_create=_add_fields, after_change=_add_fields)
@@ -3967,8 +4002,7 @@ def _check_defaulttemplate(call, value):
         if number is None:
             raise InvalidParameter("'defaulttemplate' is not a template id.",
                                    field="defaulttemplate")
-        TEMPLATE.find(call.conn, call.account, number, live=True)
-        return str(number)
+        return str(number)   # a live template of the caller's: the route found it
     if value:
         if not call.service.config["templates_dir"]:
             raise Conflict("This server has no templates folder (the templates_dir setting, "
@@ -4060,15 +4094,11 @@ def segment_filter(conn, datasources, match, conditions):
     return f"r.status = 'active' AND ({' OR '.join(parts)})", tuple(params)
 
 
-def _checked_datasources(conn, account, given):
-    """Segment ``datasources`` as a list of ids the account owns and uses."""
+def _checked_datasources(given):
+    """Segment ``datasources`` as a list of ids, each once (the route has
+    found them among the account's live datasources)."""
     ids = []
-    for index, item in enumerate(given):
-        datasource = _as_int(item)
-        if datasource is None:
-            raise InvalidParameter(f"datasources[{index}] must be a datasource id.",
-                                   field="datasources")
-        DATASOURCE.find(conn, account, datasource, live=True)
+    for datasource in map(_as_int, given):
         if datasource not in ids:
             ids.append(datasource)
     return ids
@@ -4121,7 +4151,7 @@ def _checked_conditions(conn, datasources, given):
 def _segment_values(call, row):
     values = _columns(call, ("name", "match"))
     if "datasources" in call.params:
-        datasources = _checked_datasources(call.conn, call.account, call.params["datasources"])
+        datasources = _checked_datasources(call.params["datasources"])
     else:
         datasources = json.loads(row["datasources"]) if row else []
     if row is None or "datasources" in call.params or "conditions" in call.params:
@@ -4136,10 +4166,12 @@ def _segment_values(call, row):
 
 def segment_query(conn, segment):
     """``(where, params)`` over ``recipient r`` for a segment row: its active
-    recipients, in those of its datasources that are not deleted."""
+    recipients, in those of its datasources that are not deleted (and are
+    its account's)."""
     live = [row[0] for row in conn.execute(
-        "SELECT id FROM datasource WHERE deleted = 0 AND id IN "
-        f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id", (segment["datasources"],))]
+        "SELECT id FROM datasource WHERE deleted = 0 AND owner = ? AND id IN "
+        f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id",
+        (segment["owner"], segment["datasources"]))]
     return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
 
 
@@ -4163,7 +4195,7 @@ def _segment_record(call, row):
 
 
 SEGMENT = Resource("segment", "segment", _segment_record,
-                   columns="name:str datasources:list match:all|any conditions:list",
+                   columns="name:str datasources:list@datasource match:all|any conditions:list",
                    values=_segment_values, repeat={"delete": "id"})
 
 
@@ -4209,8 +4241,9 @@ def _cancel_if_unscheduled(call, campaign_id):
 #: waiting for its time (read in the same statement as the record).
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
-    columns="name:str accountprofile:int description:text enabled:flag archiveemail:email "
-            "defaulttemplate:scalar thumbnail:str tracking:flag", required="name accountprofile",
+    columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
+            "archiveemail:email defaulttemplate:scalar@template thumbnail:str tracking:flag",
+    required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",
@@ -4230,14 +4263,11 @@ def _link_record(call, row):
 
 
 def _link_values(call, row):
-    """The checked ``segment``, ``message``, ``priority`` of a link: the segment
-    and message must be the account's and in use; a duplicate link is 409."""
+    """The checked ``segment``, ``message``, ``priority`` of a link (the route
+    has found the segment and message among the account's live records); a
+    duplicate link is 409."""
     campaign_id = call.parent["id"]
     values = _columns(call, LINK.column_names)
-    if "segment" in values:
-        SEGMENT.find(call.conn, call.account, values["segment"], live=True)
-    if "message" in values:
-        MESSAGE.find(call.conn, call.account, values["message"], live=True)
     segment = values.get("segment", row and row["segment"])
     message = values.get("message", row and row["message"])
     duplicate = call.conn.execute(
@@ -4250,13 +4280,18 @@ def _link_values(call, row):
 
 
 #: A campaign message links a message to a segment.  The sending order:
-#: lower priority numbers first, then the order of linking.
+#: lower priority numbers first, then the order of linking.  A link counts
+#: only while its message and segment are its campaign's account's, so no
+#: listing, structure, verify, preview or send reads another account's
+#: record through one (the route refuses such a link to begin with).
 LINK = Resource(
     "campaign message", "campaign_message", _link_record, parent=CAMPAIGN, parent_key="campaign",
-    columns="segment:int message:int priority:int", required="segment message",
+    columns="segment:int@segment message:int@message priority:int", required="segment message",
     repeat={"change": "segmentmessageid!", "delete": "segmentmessagehack!"}, values=_link_values,
     select="campaign_message.*, message.subject, message.name",
-    source="campaign_message JOIN message ON message.id = campaign_message.message",
+    source="campaign_message JOIN campaign ON campaign.id = campaign_message.campaign "
+           "JOIN message ON message.id = campaign_message.message AND message.owner = campaign.owner "
+           "JOIN segment ON segment.id = campaign_message.segment AND segment.owner = campaign.owner",
     order="campaign_message.priority, campaign_message.id",
     stamped=False, answer="message", schema="campaignmessage")
 
@@ -4277,11 +4312,12 @@ def _whole_campaign(campaign_id, child_id, what):
                        f"/campaign/{campaign_id}/{what}/0.")
 
 
-def _rows_by_id(conn, table, ids):
-    """``{id: row}`` of ``table`` (a fixed name) for the given ids."""
+def _rows_by_id(conn, table, ids, owner):
+    """``{id: row}`` of ``table`` (a fixed name) for the given ids that
+    ``owner`` (an account) has."""
     return {row["id"]: row for row in conn.execute(
-        f"SELECT * FROM {table} WHERE id IN ({conn.sql['json_ids'].format(array='?')})",
-        (json.dumps(sorted(set(ids))),))}
+        f"SELECT * FROM {table} WHERE id IN ({conn.sql['json_ids'].format(array='?')}) "
+        "AND owner = ?", (json.dumps(sorted(set(ids))), owner))}
 
 
 def segment_overlaps(conn, segments):
@@ -4333,7 +4369,7 @@ def campaign_structure(conn, account, campaign_id):
         entry = entries.setdefault(link["segment"], {
             "segment": str(link["segment"]), "priority": str(link["priority"]), "messages": []})
         entry["messages"].append(str(link["message"]))
-    rows = _rows_by_id(conn, "segment", entries)
+    rows = _rows_by_id(conn, "segment", entries, account)
     counts = segment_overlaps(conn, [rows[segment] for segment in entries])
     segments = []
     for segment, entry in entries.items():
@@ -4381,8 +4417,10 @@ class _Campaign:
         self.profile_address = self.profile is not None and _normalize_email(
             self.profile["fromaddress"])
         self.links = campaign_links(conn, campaign_id)
-        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links])
-        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links])
+        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links],
+                                    account)
+        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
+                                    account)
 
     def bodies(self, message):
         """``{"html", "text"}`` of a message as it is sent: inside the template
@@ -4536,7 +4574,8 @@ def _check_merge_tags(c):
     for link in c.links:
         message, segment = c.messages[link["message"]], c.segments[link["segment"]]
         known = {"email", "unsubscribe_url"}
-        for datasource in json.loads(segment["datasources"]):
+        for datasource in _rows_by_id(c.conn, "datasource", json.loads(segment["datasources"]),
+                                      segment["owner"]):
             known.update(datasource_fields(c.conn, datasource))
         unknown = sorted(set().union(merge_tags(message["subject"]), *map(
             merge_tags, c.bodies(message).values())) - known)
@@ -4570,7 +4609,7 @@ def _check_segment_definitions(c):
             problems.append(f"{label} has no datasources: set datasources with {fix}.")
             continue
         fields = set()
-        for row in _rows_by_id(c.conn, "datasource", datasources).values():
+        for row in _rows_by_id(c.conn, "datasource", datasources, segment["owner"]).values():
             if row["deleted"]:
                 problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
                                 f"set its datasources again with {fix}.")
@@ -4792,7 +4831,8 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
         log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
     for link in campaign_links(conn, campaign["id"]):
-        segment = conn.execute("SELECT * FROM segment WHERE id = ?", (link["segment"],)).fetchone()
+        segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
+                               (link["segment"], account)).fetchone()
         where, params = segment_query(conn, segment)
         # In address order (NOCASE, as the outbox's indexes on to_addr are):
         # those indexes then grow at their end instead of at random pages,
@@ -4837,7 +4877,8 @@ def _archive_message(conn, campaign, batch, message_id, template=None):
 
     Per-recipient merge tags stay visible as tags: the archive shows what
     every recipient got, not one recipient's data."""
-    message = conn.execute("SELECT * FROM message WHERE id = ?", (message_id,)).fetchone()
+    message = conn.execute("SELECT * FROM message WHERE id = ? AND owner = ?",
+                           (message_id, campaign["owner"])).fetchone()
     if conn.execute("SELECT 1 FROM batch_message WHERE batch = ? AND message = ?",
                     (batch["id"], message_id)).fetchone():
         return  # linked to two segments: prepared once
@@ -5018,8 +5059,7 @@ def _usable_template(call):
 def _link_letter(call, link, template):
     """``(message row, Letter)`` of a campaign message, prepared as a batch
     made now would send it."""
-    message = call.conn.execute("SELECT * FROM message WHERE id = ?",
-                                (link["message"],)).fetchone()
+    message = MESSAGE.find(call.conn, call.account, link["message"])
     return message, message_letter(call.conn, call.parent, message,
                                    prepare_message(message, template), call.base_url,
                                    default_mail_from())
@@ -5049,8 +5089,7 @@ def _built_email(call, letter, recipient, to_addr):
 def _campaign_preview(call, child_id):
     campaign = call.parent
     link = LINK.find(call.conn, campaign["id"], child_id)
-    segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
-                                (link["segment"],)).fetchone()
+    segment = SEGMENT.find(call.conn, call.account, link["segment"])
     wanted = call.get("recipient")
     recipient = _segment_recipient(call.conn, segment, wanted)
     if recipient is None and wanted is not None:
@@ -5086,11 +5125,10 @@ def _test_send(call, child_id, addresses):
     _verified(call, campaign["id"], TEST_SEND_CHECKS)
     template = _usable_template(call)
     for link in campaign_links(call.conn, campaign["id"]):
-        segment = call.conn.execute("SELECT * FROM segment WHERE id = ?",
-                                    (link["segment"],)).fetchone()
+        segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
         message, letter = _link_letter(call, link, template)
-        sender = campaign_sender(call.conn, campaign["accountprofile"], message)
+        sender = campaign_sender(call.conn, campaign, message)
         for address in checked.values():
             built = _built_email(call, letter, recipient, address)
             enqueue_email(call.conn, campaign["owner"], address, "[Test] " + built["subject"],
@@ -5983,7 +6021,8 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
     message's own sender wins where set, as for campaigns)."""
     conn, account = call.conn, datasource["owner"]
     profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
-                           "WHERE id = ?", (datasource["fromprofile"],)).fetchone()
+                           "WHERE id = ? AND owner = ?", (datasource["fromprofile"], account)
+                           ).fetchone()
     sender = {name: message[name] or (profile[name] if profile else "") or None
               for name in ("fromname", "fromaddress", "replyto")}
     values = {name.lower(): value for name, value in recipient_values(
@@ -7288,9 +7327,9 @@ def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=Fals
 # The bounce routes -------------------------------------------------------------
 
 #: POST /v1/bounce with JSON: the parameters, checked as the pipeline checks any.
-_BOUNCE_PARAMS = "email:email type:hard|soft|complaint campaign:int reason:text"
+_BOUNCE_PARAMS = "email:email type:hard|soft|complaint campaign:int@campaign reason:text"
 _BOUNCE_JSON = Route("POST", "/bounce", "write", None, "email:email! type:hard|soft|complaint! "
-                     "campaign:int reason:text")
+                     "campaign:int@campaign reason:text", writes=False)
 _RAW_TYPES = ("message/rfc822", "message/global")
 
 
@@ -7314,10 +7353,9 @@ def _bounce_post(call):
         if not params["email"]:
             raise InvalidParameter("'email' is the address that bounced or complained.",
                                    field="email")
-        campaign = params.get("campaign")
-        if campaign is not None:
-            CAMPAIGN.find(call.conn, call.account, campaign)
-        report = {"type": params["type"], "email": params["email"], "campaign": campaign}
+        _BOUNCE_JSON.check_references(call, params)
+        report = {"type": params["type"], "email": params["email"],
+                  "campaign": params.get("campaign")}
     with transaction(call.conn):
         answer = apply_bounce(call.conn, report, account=call.account, secret=secret,
                               pending=call.memo.setdefault("events", []))
@@ -7537,11 +7575,16 @@ class Letter:
                 + b'"\r\n\r\n' + body)
 
 
-def campaign_sender(conn, profile_id, message):
+def campaign_sender(conn, campaign, message):
     """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
-    message's own values where set, else the campaign's sender profile's."""
+    message's own values where set, else the campaign's sender profile's.
+
+    :param campaign: ``{"owner", "accountprofile"}``: a profile of another
+        account is no profile, just as one that does not exist.
+    """
     profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
-                           "WHERE id = ?", (profile_id,)).fetchone()
+                           "WHERE id = ? AND owner = ?",
+                           (campaign["accountprofile"], campaign["owner"])).fetchone()
     profile = dict(profile) if profile else {}
     return {name: message[name] or profile.get(name) or ""
             for name in ("fromname", "fromaddress", "replyto")}
@@ -7558,7 +7601,7 @@ def message_letter(conn, campaign, message, sent, base, mail_from):
     :param base: where the API is reachable, for unsubscribe links ('' none).
     :param mail_from: the sender when neither message nor profile has one.
     """
-    sender = campaign_sender(conn, campaign["accountprofile"], message)
+    sender = campaign_sender(conn, campaign, message)
     letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
                     sent["html"], from_name=sender["fromname"], reply_to=sender["replyto"],
                     list_id=f"<campaign-{campaign['id']}.{campaign['owner']}.campaignapi>")
@@ -7757,10 +7800,12 @@ class _Courier:
                 "SELECT b.base_url, b.tracking, c.id AS campaign, c.owner, c.accountprofile "
                 "FROM batch b JOIN campaign c ON c.id = b.campaign WHERE b.id = ?",
                 (batch_id,)).fetchone()
-            message = self.conn.execute("SELECT * FROM message WHERE id = ?",
-                                        (message_id,)).fetchone()
+            message = None if batch is None else self.conn.execute(
+                "SELECT * FROM message WHERE id = ? AND owner = ?",
+                (message_id, batch["owner"])).fetchone()
             if batch is None or message is None:
-                raise LookupError(f"batch {batch_id} or message {message_id} does not exist")
+                raise LookupError(f"batch {batch_id} or message {message_id} (of the campaign's "
+                                  "account) does not exist")
             # The content as the batch archived it when it was made, so an edit
             # of the message after the send changes no email still queued.
             sent_as = self.conn.execute(
