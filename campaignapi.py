@@ -3254,12 +3254,95 @@ def _csv_records(raw):
     encoding = _text_encoding(raw)
     if b'"' in raw or b"\x00" in raw or encoding == "utf-16":
         stream = io.TextIOWrapper(io.BytesIO(raw), encoding=encoding, newline="")
-        delimiter, first = _csv_delimiter(stream.readline(), stream.readline)
-        reader = csv.reader(itertools.chain([first], stream), delimiter=delimiter)
-        return next(reader, None), _reader_batches(reader)
+        line = stream.readline()
+        delimiter, first = _csv_delimiter(line, stream.readline)
+        records = _quoted_records(itertools.chain([first], stream), delimiter,
+                                  1 if first is line else 2)
+        return next(records, None), _batches(records)
     lines = itertools.chain.from_iterable(_unquoted_lines(raw, encoding))
     delimiter, first = _csv_delimiter(next(lines, ""), lambda: next(lines, ""))
     return first.split(delimiter), _split_batches(lines, delimiter)
+
+
+def _batches(records):
+    """``records`` in lists of at most CHUNK_ROWS."""
+    while batch := list(itertools.islice(records, CHUNK_ROWS)):
+        yield batch
+
+
+#: Read after the last line of a CSV file with quotes: found inside a field,
+#: it says that a quote opened there never closed.  (Unicode noncharacters,
+#: which no text exchanged is to hold.)
+_CSV_END = "\ufdd0\ufdd1end of the upload\ufdd2"
+
+
+def _quoted_records(lines, delimiter, number=1):
+    """csv.reader's records of the CSV ``lines`` (the header first, on line
+    ``number``), each a list of cells or, for one that cannot be read, its
+    csv.Error.
+
+    A quoted field may hold line ends, but a record over several lines is
+    kept only where its quotes close and it has the header's width, and no
+    line inside it reads as a row by itself (the header's width and an
+    address in the email column): an unclosed quote reads the rest of the
+    file into one field, a stray one the rows up to the next quote.  Such a
+    record is an error naming its lines, its first line is left out, and
+    the lines after it are read again as rows of their own."""
+    source, again, taken = itertools.chain(lines, [_CSV_END]), [], []   # again: next one last
+
+    def feed():   # made anew for lines to read again: one that ended stays so
+        while True:
+            line = again.pop() if again else next(source, None)
+            if line is None:
+                return
+            taken.append(line)
+            yield line
+
+    reader, width, email_at = csv.reader(feed(), delimiter=delimiter), None, None
+    while True:
+        taken.clear()
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:   # the reader goes on with the next record
+            number += len(taken)
+            yield error
+            continue
+        if cells == [_CSV_END]:
+            return
+        if width is None:
+            cells[-1] = cells[-1].replace(_CSV_END, "")
+            width = len(cells)
+            email_at = next((i for i, name in enumerate(cells) if _is_email_column(name)), 0)
+        elif len(taken) > 1:
+            problem = _spanning_problem(cells, taken, delimiter, width, email_at, number)
+            if problem:
+                ends = number + len(taken) - 1 - (taken[-1] is _CSV_END)
+                lines_read = f"lines {number}-{ends}" if ends > number else f"line {number}"
+                yield csv.Error(f"{lines_read}: {problem}; line {number} is left out, and the "
+                                f"lines after it are read as rows")
+                again.extend(reversed(taken[1:]))
+                reader = csv.reader(feed(), delimiter=delimiter)
+                number += 1
+                continue
+        number += len(taken)
+        yield cells
+
+
+def _spanning_problem(cells, taken, delimiter, width, email_at, number):
+    """What is wrong with the record ``cells`` read from the lines ``taken``
+    (several, from line ``number``), or None (see _quoted_records)."""
+    if _CSV_END in cells[-1]:
+        return f"the quote opened on line {number} is never closed"
+    if len(cells) != width:
+        return (f"a quoted field over them ends in a row of {len(cells)} columns, not the "
+                f"header's {width}")
+    for at, line in enumerate(taken[1:], start=number + 1):
+        row = next(csv.reader([line], delimiter=delimiter), [])
+        if len(row) == width and _normalize_email(row[email_at]):
+            return f"a quoted field over them holds line {at}, which reads as a row"
+    return None
 
 
 def _reader_batches(reader):
