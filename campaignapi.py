@@ -130,13 +130,16 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
 RECIPIENT_STATUSES = ("active", "unconfirmed", "unsubscribed", "bounced", "complained")
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
 MAX_ID = 2**63 - 1
+#: The largest id a create may choose (2^53 - 1: every JSON client reads it
+#: exactly); creates at id 0 never go past explicit ids far ahead (ID_REACH).
+MAX_EXPLICIT_ID = 2**53 - 1
 
 
 # ---------------------------------------------------------------------------
@@ -323,6 +326,31 @@ SQL = {
 #: imports psycopg, so SQLite users never pay for importing it.
 INTEGRITY_ERRORS = (sqlite3.IntegrityError,)
 
+#: The ids of a kind come from its sequence: PostgreSQL's identity sequence of
+#: the table, SQLite's row in id_sequence.  An id a create chooses (at most
+#: MAX_EXPLICIT_ID) that is less than ID_REACH ahead of the sequence's last id
+#: becomes the last id; one farther ahead does not move it, and is stepped
+#: over once the ids come within ID_REACH of it.  So no explicit id, however
+#: large, sends the ids of the creates after it (of every account) out of the
+#: range a JSON client reads exactly, and no create at id 0 meets a taken id:
+#: the next ID_REACH ids past the last one are always free.  ID_REACH is more
+#: than the rows one statement inserts (an import chunk: CHUNK_ROWS).
+ID_REACH = 2**20
+
+
+def _id_frontier(conn, table, last):
+    """``last`` (an id of ``table``'s sequence) moved past every id less than
+    ID_REACH ahead of it, again from there: the ID_REACH ids after the result
+    are free.  (_PG_PREAMBLE's campaignapi_ids_past() does the same inside
+    PostgreSQL.)"""
+    while True:
+        top = conn.execute(f"SELECT max(id) FROM {table} WHERE id > ? AND id <= ?",
+                           (last, last + ID_REACH)).fetchone()[0]
+        if top is None:
+            return last
+        last = top
+
+
 _PG_URL = ("postgresql://", "postgres://")
 _PG_INSTALL = "pip install 'campaignapi[postgres]'"
 
@@ -411,6 +439,21 @@ class _SqliteConnection(sqlite3.Connection):
 
     def schema_script(self, script):
         return script
+
+    def next_id(self, table):
+        """The next id of ``table``'s sequence (it and the ID_REACH - 1 after
+        it are free, for the rows of one statement), or None when the table's
+        own choice (its largest id + 1) is that id.
+
+        SQLite has no sequences: the last id of each table is kept in
+        id_sequence and moved past the ids inserted since (ID_REACH).  Inside
+        a transaction, whose write lock keeps the ids for its inserts."""
+        row = self.execute("SELECT last FROM id_sequence WHERE name = ?", (table,)).fetchone()
+        last = _id_frontier(self, table, row[0] if row else 0)
+        self.execute("INSERT INTO id_sequence (name, last) VALUES (?, ?) "
+                     "ON CONFLICT (name) DO UPDATE SET last = excluded.last", (table, last))
+        top = self.execute(f"SELECT max(id) FROM {table}").fetchone()[0]
+        return None if (top or 0) == last else last + 1
 
     def schema_version(self):
         return self.execute("PRAGMA user_version").fetchone()[0]
@@ -713,6 +756,11 @@ class _PgConnection:
     def schema_script(self, script):
         return _pg_schema(script)
 
+    def next_id(self, table):
+        """None: the identity sequence gives the ids (see _SqliteConnection);
+        its trigger keeps the ID_REACH ids after its last one free."""
+        return None
+
     def schema_version(self):
         if self.execute("SELECT to_regclass('campaignapi_schema')").fetchone()[0] is None:
             return 0
@@ -737,7 +785,8 @@ _PG_SCHEMA_LOCK = 0x63616d70   # 'camp': the advisory lock key of schema changes
 
 # What every PostgreSQL database of ours has besides schema.sql: citext for
 # the NOCASE columns, the version row, the trigger that moves an id sequence
-# past an id inserted explicitly (create at a chosen id), and the checks of
+# past the ids close ahead of it (ID_REACH: a create at a chosen id, or the
+# ids reaching one chosen far ahead), and the checks of
 # the foreign keys that are checked once a statement (see _PG_STATEMENT_KEYS).
 # The triggers run once a statement, over its rows (a transition table): an
 # import writes a million rows in a few statements, and a trigger or a
@@ -748,12 +797,23 @@ CREATE TABLE IF NOT EXISTS campaignapi_schema (
     one     BOOLEAN PRIMARY KEY DEFAULT TRUE CHECK (one),
     version INTEGER NOT NULL
 );
+-- The sequence (TG_ARGV[0]) moved past every id less than TG_ARGV[1]
+-- (ID_REACH) ahead of its last one, again from there (_id_frontier()).
 CREATE OR REPLACE FUNCTION campaignapi_ids_past() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
-    top bigint := (SELECT max(id) FROM added);
+    reach bigint := TG_ARGV[1]::bigint;
+    start bigint := coalesce(pg_sequence_last_value(TG_ARGV[0]::regclass), 0);
+    last bigint := start;
+    top bigint;
 BEGIN
-    IF top > coalesce(pg_sequence_last_value(TG_ARGV[0]::regclass), 0) THEN
-        PERFORM setval(TG_ARGV[0]::regclass, top);
+    LOOP
+        EXECUTE format('SELECT max(id) FROM %I WHERE id > $1 AND id <= $2', TG_TABLE_NAME)
+            INTO top USING last, last + reach;
+        EXIT WHEN top IS NULL;
+        last := top;
+    END LOOP;
+    IF last > start THEN
+        PERFORM setval(TG_ARGV[0]::regclass, last);
     END IF;
     RETURN NULL;
 END $$;
@@ -829,7 +889,8 @@ def _pg_schema(script):
 
     schema.sql is written once, in SQLite's spelling; these words map:
     ``id INTEGER PRIMARY KEY`` becomes a BIGINT identity column (explicit ids
-    still insert; a trigger moves the sequence past them), every other
+    still insert; a trigger moves the sequence past those close ahead, see
+    ID_REACH), every other
     ``INTEGER`` BIGINT (SQLite's are 64 bits), ``AUTOINCREMENT`` goes (an
     identity never hands out an id twice either), a ``TEXT`` column whose line
     says ``COLLATE NOCASE`` citext (in a database with the C ctype it folds
@@ -866,7 +927,8 @@ def _pg_schema(script):
         lines.append(line)
     for table in tables:
         lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
-                                           f"campaignapi_ids_past('{table}_id_seq')"))
+                                           f"campaignapi_ids_past('{table}_id_seq', "
+                                           f"'{ID_REACH}')"))
     for table, column, parent, action in keys:
         name = f"{table}_{column}_fkey"
         for event in ("INSERT", "UPDATE"):
@@ -952,7 +1014,26 @@ ALTER TABLE recipient DROP CONSTRAINT IF EXISTS recipient_import_fkey;
 DROP INDEX IF EXISTS recipient_import;
 DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
 """}),
+    # Version 4: the id sequences no longer follow explicit ids far ahead
+    # (ID_REACH): SQLite's live in id_sequence (schema.sql), PostgreSQL's
+    # trigger changes (_PG_PREAMBLE, its triggers made again by schema.sql),
+    # and a sequence that an explicit id sent past MAX_EXPLICIT_ID comes back.
+    (4, {"sqlite": "", "postgresql": lambda conn: _pg_sequences_back(conn)}),
 )
+
+
+def _pg_sequences_back(conn):
+    """Bring each id sequence that an explicit id sent past MAX_EXPLICIT_ID
+    (before version 4) back to the ids below: its last id is where the ids
+    from 0 end (_id_frontier)."""
+    for table in sorted(_pg_id_tables()):
+        sequence = f"{table}_id_seq"
+        last = conn.execute("SELECT pg_sequence_last_value(to_regclass(?))",   # NULL: none yet
+                            (sequence,)).fetchone()[0]
+        if last is not None and last > MAX_EXPLICIT_ID:
+            back = _id_frontier(conn, table, 0)
+            conn.execute("SELECT setval(CAST(?1 AS regclass), greatest(CAST(?2 AS bigint), 1), "
+                         "CAST(?2 AS bigint) > 0)", (sequence, back))
 
 
 def _schema_table(table):
@@ -1420,6 +1501,9 @@ class Route:
         self.reads_body = reads_body
         self.ids = {m.group(1): (m.group(2) or "int").split("|")
                     for m in self._PLACEHOLDER.finditer(path)}
+        # A create (PUT) makes a record at its last id: one a client chooses
+        # is at most MAX_EXPLICIT_ID.
+        self.created = list(self.ids)[-1] if method == "PUT" and self.ids else None
         self.rule = "/v1" + self._PLACEHOLDER.sub(r"<\1>", path)
         # What bottle's <name> matches, for telling 405 from 404 ourselves.
         self.pattern = re.compile(re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape("/v1" + path)))
@@ -1473,6 +1557,10 @@ class Route:
                 ids[name] = value
             elif "int" in allowed and _as_int(value) is not None and value.isdigit():
                 ids[name] = int(value)
+                if name == self.created and ids[name] > MAX_EXPLICIT_ID:
+                    raise InvalidIdentifier(
+                        f"The identifier '{value}' is too large: a create takes an id up to "
+                        f"{MAX_EXPLICIT_ID} (2^53 - 1), or 0 for the next free one.", field=name)
             else:
                 words = [w for w in allowed if w != "int"]
                 allowed_text = "an integer" + "".join(f" or '{w}'" for w in words)
@@ -2100,16 +2188,26 @@ def run_callbacks(on_event, pending):
 def insert_record(conn, table, record_id, values):
     """Insert a row at ``record_id`` (0: the next id) and return its id.
 
-    A positive free id is taken as given, so a client can retry a create.
+    A positive free id is taken as given, so a client can retry a create;
+    the ids of later creates at 0 follow the rule of ID_REACH.
     """
-    if record_id:
-        if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (record_id,)).fetchone():
-            raise Conflict(f"The id {record_id} is taken; create at id 0 to get a new one.")
-        values = {"id": record_id, **values}
+    chosen = record_id or conn.next_id(table)   # None: the sequence's next id
+    if chosen:
+        values = {"id": chosen, **values}
     columns = ", ".join(values)
     marks = ", ".join("?" for _ in values)
-    return conn.execute(f"INSERT INTO {table} ({columns}) VALUES ({marks})",
-                        tuple(values.values())).lastrowid
+    # ON CONFLICT: a create at the id by another transaction that commits
+    # first (waited for on PostgreSQL) makes it taken, never an error; a
+    # create at 0 that meets one then takes the sequence's next id.
+    for _ in range(10):
+        cursor = conn.execute(f"INSERT INTO {table} ({columns}) VALUES ({marks}) "
+                              "ON CONFLICT (id) DO NOTHING", tuple(values.values()))
+        if cursor.rowcount:
+            return cursor.lastrowid
+        if chosen:
+            break
+    raise Conflict(f"The id {chosen} is taken; create at id 0 to get a new one." if chosen
+                   else "The next ids were all taken meanwhile; try again.")
 
 
 def update_record(conn, table, record_id, values):
@@ -2920,9 +3018,13 @@ class _Importer:
                 touched.append((recipient_id,))
         self.updated += len(touched)
         conn.executemany(f"INSERT INTO {temp}.import_touched (id) VALUES (?)", touched)
+        # The ids: SQLite's own (the largest + 1), or from the sequence's
+        # next one where an explicit id stands far ahead (see ID_REACH).
+        first = conn.next_id("recipient")
+        ids = ("", "") if first is None else ("id, ", f"{first - 1} + row_number() OVER (), ")
         inserted = conn.execute(
-            "INSERT INTO recipient (datasource, email, import, created, updated, data) "
-            "SELECT ?1, key, ?2, ?3, ?3, value FROM json_each(?4) WHERE 1 "
+            f"INSERT INTO recipient ({ids[0]}datasource, email, import, created, updated, data) "
+            f"SELECT {ids[1]}?1, key, ?2, ?3, ?3, value FROM json_each(?4) WHERE 1 "
             "ON CONFLICT DO NOTHING", (self.datasource, self.import_id, now, chunk)).rowcount
         self.inserted += inserted
         conn.executemany("UPDATE recipient SET updated = ?, data = "
@@ -3271,12 +3373,95 @@ def _csv_records(raw):
     encoding = _text_encoding(raw)
     if b'"' in raw or b"\x00" in raw or encoding == "utf-16":
         stream = io.TextIOWrapper(io.BytesIO(raw), encoding=encoding, newline="")
-        delimiter, first = _csv_delimiter(stream.readline(), stream.readline)
-        reader = csv.reader(itertools.chain([first], stream), delimiter=delimiter)
-        return next(reader, None), _reader_batches(reader)
+        line = stream.readline()
+        delimiter, first = _csv_delimiter(line, stream.readline)
+        records = _quoted_records(itertools.chain([first], stream), delimiter,
+                                  1 if first is line else 2)
+        return next(records, None), _batches(records)
     lines = itertools.chain.from_iterable(_unquoted_lines(raw, encoding))
     delimiter, first = _csv_delimiter(next(lines, ""), lambda: next(lines, ""))
     return first.split(delimiter), _split_batches(lines, delimiter)
+
+
+def _batches(records):
+    """``records`` in lists of at most CHUNK_ROWS."""
+    while batch := list(itertools.islice(records, CHUNK_ROWS)):
+        yield batch
+
+
+#: Read after the last line of a CSV file with quotes: found inside a field,
+#: it says that a quote opened there never closed.  (Unicode noncharacters,
+#: which no text exchanged is to hold.)
+_CSV_END = "\ufdd0\ufdd1end of the upload\ufdd2"
+
+
+def _quoted_records(lines, delimiter, number=1):
+    """csv.reader's records of the CSV ``lines`` (the header first, on line
+    ``number``), each a list of cells or, for one that cannot be read, its
+    csv.Error.
+
+    A quoted field may hold line ends, but a record over several lines is
+    kept only where its quotes close and it has the header's width, and no
+    line inside it reads as a row by itself (the header's width and an
+    address in the email column): an unclosed quote reads the rest of the
+    file into one field, a stray one the rows up to the next quote.  Such a
+    record is an error naming its lines, its first line is left out, and
+    the lines after it are read again as rows of their own."""
+    source, again, taken = itertools.chain(lines, [_CSV_END]), [], []   # again: next one last
+
+    def feed():   # made anew for lines to read again: one that ended stays so
+        while True:
+            line = again.pop() if again else next(source, None)
+            if line is None:
+                return
+            taken.append(line)
+            yield line
+
+    reader, width, email_at = csv.reader(feed(), delimiter=delimiter), None, None
+    while True:
+        taken.clear()
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:   # the reader goes on with the next record
+            number += len(taken)
+            yield error
+            continue
+        if cells == [_CSV_END]:
+            return
+        if width is None:
+            cells[-1] = cells[-1].replace(_CSV_END, "")
+            width = len(cells)
+            email_at = next((i for i, name in enumerate(cells) if _is_email_column(name)), 0)
+        elif len(taken) > 1:
+            problem = _spanning_problem(cells, taken, delimiter, width, email_at, number)
+            if problem:
+                ends = number + len(taken) - 1 - (taken[-1] is _CSV_END)
+                lines_read = f"lines {number}-{ends}" if ends > number else f"line {number}"
+                yield csv.Error(f"{lines_read}: {problem}; line {number} is left out, and the "
+                                f"lines after it are read as rows")
+                again.extend(reversed(taken[1:]))
+                reader = csv.reader(feed(), delimiter=delimiter)
+                number += 1
+                continue
+        number += len(taken)
+        yield cells
+
+
+def _spanning_problem(cells, taken, delimiter, width, email_at, number):
+    """What is wrong with the record ``cells`` read from the lines ``taken``
+    (several, from line ``number``), or None (see _quoted_records)."""
+    if _CSV_END in cells[-1]:
+        return f"the quote opened on line {number} is never closed"
+    if len(cells) != width:
+        return (f"a quoted field over them ends in a row of {len(cells)} columns, not the "
+                f"header's {width}")
+    for at, line in enumerate(taken[1:], start=number + 1):
+        row = next(csv.reader([line], delimiter=delimiter), [])
+        if len(row) == width and _normalize_email(row[email_at]):
+            return f"a quoted field over them holds line {at}, which reads as a row"
+    return None
 
 
 def _reader_batches(reader):
@@ -5955,10 +6140,12 @@ def _sign_up(call, datasource, address, data):
         "unconfirmed" if datasource["doubleoptin"] else "active")
     # DO NOTHING: the same address signed up twice at once is stored once,
     # and the second finds it like any known address (never a 409).
+    first = conn.next_id("recipient")   # None: the sequence's next id (see ID_REACH)
+    ids = ("", "", ()) if first is None else ("id, ", "?, ", (first,))
     stored = conn.execute(
-        "INSERT INTO recipient (datasource, email, data, status, created, updated) "
-        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-        (datasource["id"], address, _to_json(data), status, now, now)).rowcount
+        f"INSERT INTO recipient ({ids[0]}datasource, email, data, status, created, updated) "
+        f"VALUES ({ids[1]}?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (*ids[2], datasource["id"], address, _to_json(data), status, now, now)).rowcount
     row = conn.execute("SELECT * FROM recipient WHERE datasource = ? AND email = ?",
                        (datasource["id"], address)).fetchone()
     if stored:
@@ -9616,16 +9803,20 @@ def _param_schema(route, param, in_query):
     return {**schema, **extra, **({"description": description} if description else {})}, example
 
 
-def _id_parameter(name, allowed):
-    """A path placeholder as an OpenAPI parameter: what its segment accepts."""
+def _id_parameter(name, allowed, creates=False):
+    """A path placeholder as an OpenAPI parameter: what its segment accepts
+    (``creates``: the id a create makes its record at, MAX_EXPLICIT_ID at most)."""
     if "name" in allowed:
         schema, text, example = {"type": "string", "minLength": 1}, "an id or a name", "city"
     else:
         words = [word for word in allowed if word != "int"]
-        choices = (["[0-9]{1,18}"] if "int" in allowed else []) + [re.escape(w) for w in words]
+        digits = "[0-9]{1,15}" if creates else "[0-9]{1,18}"   # 10^15 - 1 < MAX_EXPLICIT_ID
+        choices = ([digits] if "int" in allowed else []) + [re.escape(w) for w in words]
         schema = {"type": "string", "pattern": "^(" + "|".join(choices) + ")$"}
-        text = " or ".join((["an integer id (0 on create: the next free id)"]
-                            if "int" in allowed else []) + [f"'{word}'" for word in words])
+        integer = (f"an integer id up to {MAX_EXPLICIT_ID}, or 0 for the next free id" if creates
+                   else "an integer id")
+        text = " or ".join(([integer] if "int" in allowed else [])
+                           + [f"'{word}'" for word in words])
         example = "1" if "int" in allowed else words[0]
     return {"name": name, "in": "path", "required": True, "schema": schema,
             "description": text, "example": example}
@@ -9693,7 +9884,8 @@ def _operation(route):
     notes = [f"Needs {levels}."]
     if route.changes and route.method == "GET":
         notes.append("This GET changes data (as the original service did): do not prefetch it.")
-    parameters = [_id_parameter(name, allowed) for name, allowed in route.ids.items()]
+    parameters = [_id_parameter(name, allowed, name == route.created)
+                  for name, allowed in route.ids.items()]
     body, example = {}, {}
     for param in route.params.values():
         schema, example[param.name] = _param_schema(route, param, in_query)

@@ -394,6 +394,14 @@ CREATE TABLE IF NOT EXISTS hook_delivery (
 );
 CREATE INDEX IF NOT EXISTS hook_delivery_due ON hook_delivery(status, webhook, id);
 
+-- SQLite's id sequences: the last id of each table whose creates take ids
+-- (see ID_REACH in campaignapi.py).  PostgreSQL keeps them in the identity
+-- sequences; there this table stays empty.
+CREATE TABLE IF NOT EXISTS id_sequence (
+    name TEXT PRIMARY KEY,
+    last INTEGER NOT NULL
+) WITHOUT ROWID;
+
 -- Public writes kept for later: an open, a click, an unsubscribe, a sign-up or
 -- a confirm that arrives while a long transaction (a big import) holds the
 -- lock it needs is kept here, and applied in order as soon as the lock is free
