@@ -9339,7 +9339,7 @@ PARAM_DOCS = {
     "fields": ("Fields to add, each {name, type}; the email field always exists.",
                [{"name": "city", "type": "text"}],
                {"items": {"type": "object", "required": ["name"], "additionalProperties": False,
-                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s]"
+                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s\\x00]"
                                         "[^{}\\r\\n\\x00]*$", "maxLength": 200},
                                "type": {**_FIELD_TYPE, "default": "text"}}}}),
     "status": ("Only recipients with this status.", "active"),
@@ -9378,7 +9378,7 @@ PARAM_DOCS = {
                             "op": {"type": "string", "enum": [
                                 op for op in SEGMENT_OPS if op not in ("empty", "notempty")]},
                             "value": {"anyOf": [{"type": "string", "pattern":
-                                                 "^[^\\r\\n\\x00]*\\S[^\\r\\n\\x00]*$"},
+                                                 "^[^\\r\\n\\x00]*[^\\s\\x00][^\\r\\n\\x00]*$"},
                                                 {"type": "number"}, {"type": "boolean"}]}}},
                        {"type": "object", "required": ["field", "op"],
                         "additionalProperties": False, "properties": {

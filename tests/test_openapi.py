@@ -355,3 +355,21 @@ def test_every_address_the_document_refuses_the_server_refuses():
                 with pytest.raises(ValueError):
                     campaignapi.check_webhook_url(url, allow_private=allow_private)
         assert not re.search(refused, "http://" + str(ipaddress.ip_address("8.8.8.8")))
+
+
+@pytest.mark.parametrize("name", ["\x00", " \x00 ", "a\x00", "\x00b", "city", " town "])
+def test_a_nul_in_a_field_name_or_a_condition_value_is_refused_where_documented(api, client,
+                                                                                name):
+    # The document's patterns took a NUL as the one non-blank character their
+    # middle class needs ("\S"); the server refuses a NUL anywhere.
+    document = client.get("/v1/openapi.json").json
+    body = {"name": "d", "fields": [{"name": name}]}
+    status = send(client, "PUT", "/v1/datasource/0", api.headers, body).status_int
+    assert (status != 400) == documented(body_schema(document, "PUT", "/v1/datasource/{id}"),
+                                         body), status
+    ds = api.put("/datasource/0", name="e", fields=[{"name": "city"}])["id"]
+    body = {"name": "s", "datasources": [int(ds)],
+            "conditions": [{"field": "city", "op": "eq", "value": name}]}
+    status = send(client, "PUT", "/v1/segment/0", api.headers, body).status_int
+    assert (status != 400) == documented(body_schema(document, "PUT", "/v1/segment/{id}"),
+                                         body), status
