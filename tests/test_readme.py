@@ -53,7 +53,7 @@ def test_the_walkthrough_is_found_and_uses_the_first_key():
     assert "key create" not in script and "grep '^cak_' serve.txt" in script
     # Every wait is bounded: each until loop counts its tries down, and says
     # what it gave up on.
-    loops = re.findall(r"^\s*until (.*?)^\s*do ", script, re.S | re.M)
+    loops = re.findall(r"\buntil (.*?)\bdo\b", script, re.S)
     assert len(loops) >= 2
     for loop in loops:
         assert "$((tries -= 1))" in loop, loop
