@@ -4089,20 +4089,30 @@ class TemplateUnusable(Exception):
         self.check = check
 
 
+#: The characters a template file name may not hold (a regular expression's
+#: class, shared with the OpenAPI document): control characters, line and
+#: paragraph separators, and the bidirectional controls that make a name read
+#: otherwise than it is.
+TEMPLATE_NAME_REFUSED = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
+
+
 def _template_file(templates_dir, name, suffix):
     """The path of template file ``name`` + ``suffix`` ('.html' or '.txt') in
     ``templates_dir``; ValueError (a sentence) for a name that is no plain
-    file name there: a path separator, '..', or a file (a symlink too) that
-    resolves outside the folder."""
+    file name there: a path separator, '..', a character of
+    TEMPLATE_NAME_REFUSED, or a file (a symlink too) that resolves outside the
+    folder."""
     if not templates_dir:
         raise ValueError("This server has no templates folder (the templates_dir setting, "
                          "--templates-dir), so a template file cannot be named; use a template "
                          "id or ''.")
-    if name.lower().endswith(".html"):
-        name = name[:-len(".html")]
     separators = {"/", "\\", os.sep, os.altsep} - {None}
-    if not name or ".." in name or any(sep in name for sep in separators) \
-            or not name.isprintable():
+    if name.lower().endswith(".html"):
+        name, bare = name[:-len(".html")], name
+    else:
+        bare = name
+    if not name or ".." in bare or any(sep in name for sep in separators) \
+            or re.search(f"[{TEMPLATE_NAME_REFUSED}]", name):
         raise ValueError(f"'{name}' is not a template file name: give NAME of a file NAME.html "
                          "in the templates folder, without a path, '..' or control characters.")
     folder = os.path.realpath(templates_dir)
@@ -4176,12 +4186,12 @@ def _check_defaulttemplate(call, value):
     """A campaign's ``defaulttemplate`` as stored: '', the id of a live
     template of the caller's, or a file name that stays inside the templates
     folder (the file itself may come later: verify says when it is missing)."""
-    if not isinstance(value, str):  # an id may come as a JSON number
+    if not isinstance(value, str):  # an id may come as a JSON number (705.0 is 705)
         if _as_int(value) is None:
             raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
                                    "file name.", field="defaulttemplate")
-        value = str(value)
-    value = value.strip()
+        value = str(_as_int(value))
+    value = value.strip(" ")
     if value.isascii() and value.isdigit():
         number = _as_int(value)
         if number is None:
@@ -5292,8 +5302,9 @@ def _campaign_preview(call, child_id):
 def _test_send(call, child_id, addresses):
     """Each campaign message once to each address, now: pre-rendered for its
     segment's first recipient, queued as kind 'test'; no batch."""
-    if child_id != 0:
-        raise InvalidParameter("A test send makes no batch: send it at /send/0.", field="test")
+    if child_id != 0:   # as structure and verify: one place, at 0 (API.md section 11)
+        raise NotFound("A test send makes no batch, so it has no id of its own: send it at "
+                       f"/campaign/{call.parent['id']}/send/0.")
     if "timestamp" in call.params:
         raise InvalidParameter("A test send goes now: give 'test' or 'timestamp', not both.",
                                field="timestamp")
@@ -9617,6 +9628,46 @@ def records_answer(key, kind):
 
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
 
+
+def _any_case(text):
+    """A regular expression that matches ``text`` in any ASCII case (JSON
+    Schema patterns take no flags)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in text)
+
+
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+#: The IPv4 literals that _address_problem() refuses without
+#: webhook_allow_private, by their leading octets (tests/test_openapi.py
+#: checks each against it).
+_PRIVATE_IPV4 = (("0",), ("10",), ("127",), ("169", "254"), ("172", "(1[6-9]|2[0-9]|3[01])"),
+                 ("192", "168"), ("100", "(6[4-9]|[7-9][0-9]|1[01][0-9]|12[0-7])"),
+                 ("(22[4-9]|2[3-5][0-9])",), ("192", "0", "2"), ("198", "1[89]"),
+                 ("198", "51", "100"), ("203", "0", "113"))
+#: ... and the IPv6 ones: ::, ::1, and fc00::/7, fe80::/10, fec0::/10, ff00::/8.
+_PRIVATE_IPV6 = r"::1?|[fF][c-fC-F][0-9a-fA-F]{2}:[^\]]*"
+
+
+def webhook_url_schema(allow_private=False):
+    """The JSON schema of a webhook's ``url`` as the server takes it: http or
+    https, a host, no user name; and, under ``not``, the URLs whose host is
+    itself an address a webhook may not call (a literal address, or
+    localhost).  A name that resolves to such an address is refused the same
+    way, but only DNS knows which names do.
+
+    :param allow_private: the setting ``webhook_allow_private``: only the
+        cloud metadata addresses are refused.
+    """
+    hosts = [re.escape(str(ip)) + r"\.?" if ip.version == 4 else r"\[" + _any_case(str(ip)) + r"\]"
+             for ip in sorted(_METADATA_ADDRESSES, key=str)]
+    if not allow_private:
+        hosts += [_any_case("localhost") + r"\.?", r"\[(" + _PRIVATE_IPV6 + r")\]"]
+        hosts += [r"\.".join([*octets, *[_OCTET] * (4 - len(octets))]) + r"\.?"
+                  for octets in _PRIVATE_IPV4]
+    return {"format": "uri", "pattern": "^[hH][tT][tT][pP][sS]?://[^/?#@\\s]+([/?#][^\\s]*)?$",
+            "not": {"pattern": "^[hH][tT][tT][pP][sS]?://(" + "|".join(hosts)
+                               + ")(:[0-9]*)?([/?#]|$)"}}
+
+
 #: What every parameter name means, for the OpenAPI document: one place, so a
 #: route added to the table is described by the names it uses.  name ->
 #: (description, example[, what the schema of its type needs besides, e.g. a
@@ -9633,7 +9684,7 @@ PARAM_DOCS = {
     "fields": ("Fields to add, each {name, type}; the email field always exists.",
                [{"name": "city", "type": "text"}],
                {"items": {"type": "object", "required": ["name"], "additionalProperties": False,
-                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s]"
+                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s\\x00]"
                                         "[^{}\\r\\n\\x00]*$", "maxLength": 200},
                                "type": {**_FIELD_TYPE, "default": "text"}}}}),
     "status": ("Only recipients with this status.", "active"),
@@ -9672,7 +9723,7 @@ PARAM_DOCS = {
                             "op": {"type": "string", "enum": [
                                 op for op in SEGMENT_OPS if op not in ("empty", "notempty")]},
                             "value": {"anyOf": [{"type": "string", "pattern":
-                                                 "^[^\\r\\n\\x00]*\\S[^\\r\\n\\x00]*$"},
+                                                 "^[^\\r\\n\\x00]*[^\\s\\x00][^\\r\\n\\x00]*$"},
                                                 {"type": "number"}, {"type": "boolean"}]}}},
                        {"type": "object", "required": ["field", "op"],
                         "additionalProperties": False, "properties": {
@@ -9689,8 +9740,13 @@ PARAM_DOCS = {
                      "archive@example.com"),
     "defaulttemplate": ("The template the campaign's messages are wrapped in: '' (none), a "
                         "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
-                        "the server's templates folder.", "",
-                        {"pattern": "^(?!.*[.][.])[^/\\\\\\x00-\\x1f\\x7f]*$"}),
+                        "the server's templates folder ('NAME.html' is NAME too). A text of digits "
+                        "is an id. Surrounding spaces are trimmed.", "",
+                        {"anyOf": [
+                            {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                            {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
+                             "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + TEMPLATE_NAME_REFUSED
+                             + "]*$"}]}),
     "template.html": ("The template's HTML, holding {{content}} once, where the message goes; "
                       "'' for none.", "<html><body>{{content}}</body></html>",
                       {"allOf": [{"pattern": '^$|^(?![\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\})[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*$'}]}),
@@ -9708,7 +9764,9 @@ PARAM_DOCS = {
     "timestamp": ("When to send: Unix seconds or an RFC 3339 date-time (a time in the past "
                   "means now); 'YYYY-MM-DD HH:MM:SS' is taken as UTC.", 0),
     "test": ("A test send instead of a batch: 1 to 10 addresses that each get every campaign "
-             "message now, subject prefixed [Test], rendered for the segment's first recipient.",
+             "message now, subject prefixed [Test], rendered for the segment's first recipient. "
+             "Only at send/0 (a test send makes no batch; another id answers 404), and "
+             "without timestamp.",
              ["me@example.com"], {"items": {"type": "string", "format": "email"},
                                   "minItems": 1, "maxItems": 10}),
     "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
@@ -9729,10 +9787,11 @@ PARAM_DOCS = {
                          "to active once unsubscribed, bounced or complained).", "active"),
     "recipient.email": ("An address. On a listing: only the recipient with it (without case). "
                         "On create and change: the recipient's address.", "ann@example.com"),
-    "url": ("Where events are POSTed (http or https; private and loopback addresses are "
-            "refused unless the setting webhook_allow_private allows them; a host that does "
-            "not resolve is 409).", "https://hooks.example.com/campaigns",
-            {"format": "uri", "pattern": "^[hH][tT][tT][pP][sS]?://[^/?#@\\s]+([/?#][^\\s]*)?$"}),
+    "url": ("Where events are POSTed: http or https. A URL whose host is, or resolves to, a "
+            "loopback, private, link-local or reserved address is refused (400) unless the "
+            "setting webhook_allow_private allows them, and a cloud metadata address always "
+            "is; the schema's 'not' names the literal ones. A host that does not resolve is "
+            "409.", "https://hooks.example.com/campaigns", webhook_url_schema()),
     "events": ("The event kinds the webhook gets; empty: every kind.",
                ["recipient.unsubscribed"], {"items": {"type": "string",
                                                       "enum": list(EVENT_KINDS)}}),
@@ -9794,8 +9853,10 @@ _PARAM_SCHEMAS = {
 }
 
 
-def _param_schema(route, param, in_query):
+def _param_schema(route, param, in_query, allow_private=False):
     description, example, extra = _param_doc(route, param.name)
+    if param.name == "url" and allow_private:   # what a webhook may call is a setting
+        extra = {**extra, **webhook_url_schema(allow_private)}
     if param.choices is not None:
         schema = {"type": "string", "enum": list(param.choices)}
     else:
@@ -9876,7 +9937,7 @@ def _envelope_schema(success, data):
                            "success": {"type": "boolean", "enum": [success]}, "data": data}}
 
 
-def _operation(route):
+def _operation(route, allow_private=False):
     levels = f"an API key with the '{route.level}' level" if route.level else "no API key"
     literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
     verb = _OPENAPI_VERBS.get(route.method, route.method)
@@ -9888,7 +9949,7 @@ def _operation(route):
                   for name, allowed in route.ids.items()]
     body, example = {}, {}
     for param in route.params.values():
-        schema, example[param.name] = _param_schema(route, param, in_query)
+        schema, example[param.name] = _param_schema(route, param, in_query, allow_private)
         if in_query:
             parameters.append({"name": param.name, "in": "query", "required": param.required,
                                "schema": schema, **({"example": example[param.name]}
@@ -9962,7 +10023,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["error", "message"], "properties"
              "description": "the first rows that fail, on invalid_data"}}}
 
 
-def openapi_document(routes=None, base_url=None):
+def openapi_document(routes=None, base_url=None, allow_private=False):
     """The OpenAPI 3.1 document of the API, as a dict.
 
     Made from the route table (the one create_app() serves), so it lists every
@@ -9971,12 +10032,14 @@ def openapi_document(routes=None, base_url=None):
 
     :param routes: the route table; ROUTES when None.
     :param base_url: the API's root URL (without ``/v1``) for ``servers``.
+    :param allow_private: the app's setting ``webhook_allow_private`` (it
+        decides which webhook URLs are taken).
     """
     routes = ROUTES if routes is None else routes
     paths = {}
     for route in routes:
         path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
-        paths.setdefault(path, {})[route.method.lower()] = _operation(route)
+        paths.setdefault(path, {})[route.method.lower()] = _operation(route, allow_private)
     responses, errors = {}, {}
     for status, codes in _error_codes().items():
         name = f"error{status}"
@@ -10024,7 +10087,8 @@ def _openapi_get(call):
     """The OpenAPI document itself (not in an envelope, so tools can read it)."""
     service = call.service
     if getattr(service, "openapi", None) is None:   # made once per app
-        service.openapi = openapi_document()
+        service.openapi = openapi_document(
+            allow_private=service.config["webhook_allow_private"])
     document = {**service.openapi, "servers": [{"url": call.base_url or "/"}]}
     return bottle.HTTPResponse(json.dumps(document, ensure_ascii=False), 200, {
         "Content-Type": "application/json", "Access-Control-Allow-Origin": "*"})
@@ -10182,7 +10246,8 @@ ROUTES = [
     # timestamp is required unless test is given (a test send goes now).
     Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
           "timestamp:time test:list", summary="Send the campaign (a new batch), or a test send",
-          answers=ANSWER_ID),
+          answers=ANSWER_ID, body_rules={"oneOf": [{"required": ["timestamp"]},
+                                                   {"required": ["test"]}]}),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 

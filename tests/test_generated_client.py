@@ -4,13 +4,37 @@ typed answers and typed errors, and nothing else: no hand-written HTTP."""
 
 import importlib
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import campaignapi
+from clihelpers import ROOT
 from helpers import http
+
+
+def readme_config():
+    """The openapi-python-client configuration that the README gives."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("<!-- openapi-python-client config"):]
+    block = re.match(r"[^\n]*\n```json\n(.*?)^```$", section, re.S | re.M)
+    return json.loads(block[1])
+
+
+def test_the_readme_gives_the_configuration_for_the_two_media_types():
+    config = readme_config()
+    assert config == {"content_type_overrides": {
+        "image/gif": "application/octet-stream", "message/rfc822": "application/octet-stream"}}
+    # Every media type the document answers or takes besides JSON, pages,
+    # CSV text and forms has its override.
+    document = json.dumps(campaignapi.openapi_document())
+    media = set(re.findall(r'"([a-z]+/[a-z0-9.+-]+)": \{"schema"', document))
+    assert media - {"application/json", "text/html", "text/csv",
+                    "application/x-www-form-urlencoded"} == set(config["content_type_overrides"])
 
 
 @pytest.fixture
@@ -19,10 +43,10 @@ def generated(live_server, tmp_path, monkeypatch):
     document = tmp_path / "openapi.json"
     document.write_bytes(http(live_server + "/v1/openapi.json")[2])
     # Media types the generator has no reader for (the open image, a raw bounce
-    # email) are bytes to it: say so, as its documentation shows.
+    # email) are bytes to it: the README's configuration says so, and a user
+    # who copies it gets the operations this test gets.
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"content_type_overrides": {
-        "image/gif": "application/octet-stream", "message/rfc822": "application/octet-stream"}}))
+    config.write_text(json.dumps(readme_config()))
     run = subprocess.run(["openapi-python-client", "generate", "--path", str(document),
                           "--config", str(config), "--meta", "none",
                           "--output-path", str(tmp_path / "campaignapi_client")],

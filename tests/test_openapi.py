@@ -8,7 +8,8 @@ import webtest
 from openapi_spec_validator import validate
 
 import campaignapi
-from helpers import send
+from conftest import Api
+from helpers import build_world, keyed_client, send
 
 METHODS = ("get", "put", "post", "delete")
 
@@ -232,3 +233,143 @@ def test_a_browser_also_gets_the_raw_document(client):
     assert response.content_type == "application/json"
     assert response.json["openapi"].startswith("3.1")
     assert response.headers["Access-Control-Allow-Origin"] == "*"
+
+
+# --- where the document and the server disagreed (an outside schemathesis run) ---------------
+
+def body_schema(document, method, path):
+    """The JSON body schema of an operation, with the document's components."""
+    schema = document["paths"][path][method.lower()]["requestBody"]["content"][
+        "application/json"]["schema"]
+    return {**schema, "components": document["components"]}
+
+
+def documented(schema, body):
+    return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+
+@pytest.fixture
+def templated(db, tmp_path):
+    """A client and key of an app with a templates folder, a template (id 1)
+    and a campaign (id 1)."""
+    folder = tmp_path / "templates"
+    folder.mkdir()
+    (folder / "news.html").write_text("<div>{{content}}</div>")
+    client, auth = keyed_client(db, templates_dir=str(folder))
+    api = Api(client, auth)
+    api.put("/template/0", name="t", html="{{content}}")
+    api.put("/campaign/0", name="c", accountprofile=1)
+    return client, auth
+
+
+@pytest.mark.parametrize("value", [
+    1, 1.0, "1", "0001", 99, "", " ", "news", "news.html", "later", "a\xa0b", "Nyhet ø",
+    1.5, -1, 2**70, 1e300, True, "9" * 25, ".html", " .HTML ", "a\u2028b", "a\x85b",
+    "a\u202eb", "../x", "a/b", "a\\b", "a\x07b"])
+def test_defaulttemplate_is_refused_exactly_where_the_document_says(templated, value):
+    # The document typed it string-or-number; a JSON number (1.5, -1, 2**70)
+    # was refused with 400 although it fits "number".
+    client, auth = templated
+    document = client.get("/v1/openapi.json").json
+    for method, path, extra in (("PUT", "/v1/campaign/{id}", {"name": "c", "accountprofile": 1}),
+                                ("POST", "/v1/campaign/{id}", {})):
+        body = {**extra, "defaulttemplate": value}
+        response = send(client, method, path.replace("{id}", "1" if method == "POST" else "0"),
+                        auth, body)
+        assert response.status_int in (200, 400, 404, 409), response.text
+        assert (response.status_int != 400) == documented(
+            body_schema(document, method, path), body), (value, response.text)
+
+
+def test_a_test_send_elsewhere_than_send_0_is_a_documented_answer(api, client, auth):
+    # The document allows "test" at any {child_id}; the server refused it
+    # with 400 at send/1 (a test send makes no batch: API.md section 11).
+    build_world(api, send=False)
+    document = client.get("/v1/openapi.json").json
+    schema = body_schema(document, "PUT", "/v1/campaign/{parent_id}/send/{child_id}")
+    body = {"test": ["me@example.com"]}
+    assert documented(schema, body)
+    data = api.put("/campaign/1/send/1", status=404, **body)
+    assert data["error"] == "not_found" and "/campaign/1/send/0" in data["message"]
+    assert "404" in document["paths"]["/v1/campaign/{parent_id}/send/{child_id}"]["put"][
+        "responses"]
+    assert api.put("/campaign/1/send/0", **body) == {"id": "0"}
+    # test and timestamp together: the server refuses it, and so does the document.
+    both = {"test": ["me@example.com"], "timestamp": 0}
+    assert api.put("/campaign/1/send/0", status=400, **both)["field"] == "timestamp"
+    assert not documented(schema, both) and not documented(schema, {})
+    assert documented(schema, {"timestamp": 0})
+
+
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_a_webhook_url_is_refused_exactly_where_the_document_says(db, allow_private):
+    # A URL to a loopback address was refused with 400 (unless the setting
+    # webhook_allow_private) though the document's url allowed it.
+    client, auth = keyed_client(db, webhook_allow_private=allow_private)
+    document = client.get("/v1/openapi.json").json
+    schema = body_schema(document, "PUT", "/v1/webhook/{id}")
+    refused_always = ["http://169.254.169.254/latest", "http://[fd00:ec2::254]/",
+                      "https://100.100.100.200:8443/x"]
+    private = ["http://127.0.0.1:8080/hook", "http://127.1.2.3/", "http://10.0.0.5/",
+               "http://172.16.0.1/", "http://172.31.255.255/", "http://192.168.1.1/",
+               "http://169.254.0.1/", "http://0.0.0.0/", "http://100.64.0.1/",
+               "http://224.0.0.1/", "http://255.255.255.255/", "http://[::1]/",
+               "http://[::]/", "http://[fe80::1]/", "http://[FD12:3456::1]:81/",
+               "http://[ff02::1]/", "http://localhost:8080/", "http://LocalHost./x",
+               "http://127.0.0.1./", "http://192.0.2.7/", "http://198.18.0.1/"]
+    public = ["http://93.184.216.34/hook", "https://8.8.8.8:8443/", "http://172.32.0.1/",
+              "http://[2606:4700::1111]/", "http://100.128.0.1/", "http://11.0.0.1/",
+              "http://1.127.0.0/"]
+    for url in refused_always + private + public:
+        response = send(client, "PUT", "/v1/webhook/0", auth, {"url": url})
+        accepted = response.status_int == 200
+        assert accepted == (url in public or (allow_private and url in private)), \
+            (url, response.text)
+        assert accepted == documented(schema, {"url": url}), (url, response.text)
+        if not accepted:
+            assert response.json["data"]["field"] == "url"
+
+
+def test_every_address_the_document_refuses_the_server_refuses():
+    # The document types the literal addresses a webhook may not call; it
+    # must never refuse one the server takes.  Boundaries and neighbours of
+    # every range the pattern names, and the metadata addresses.
+    import ipaddress
+
+    samples = set()
+    for first in range(256):
+        for second in (0, 1, 15, 16, 31, 32, 63, 64, 127, 128, 168, 169, 254, 255):
+            samples.update({f"{first}.{second}.0.0", f"{first}.{second}.255.255",
+                            f"{first}.{second}.100.200"})
+    samples.update(["192.0.0.192", "198.51.100.1", "203.0.113.9", "192.0.2.0"])
+    for prefix in ("::", "::1", "::2", "fe80::", "febf::1", "fec0::", "fc00::", "fdff::1",
+                   "fe7f::1", "fbff::1", "ff00::", "feff::1", "2001:db8::1", "2606:4700::1111",
+                   "64:ff9b::7f00:1", "::ffff:7f00:1", "fd00:ec2::254", "fd00:ec2::23"):
+        samples.add(prefix)
+    for allow_private in (False, True):
+        refused = campaignapi.webhook_url_schema(allow_private)["not"]["pattern"]
+        for address in sorted(samples):
+            host = f"[{address}]" if ":" in address else address
+            url = f"http://{host}/hook"
+            if re.search(refused, url):
+                with pytest.raises(ValueError):
+                    campaignapi.check_webhook_url(url, allow_private=allow_private)
+        assert not re.search(refused, "http://" + str(ipaddress.ip_address("8.8.8.8")))
+
+
+@pytest.mark.parametrize("name", ["\x00", " \x00 ", "a\x00", "\x00b", "city", " town "])
+def test_a_nul_in_a_field_name_or_a_condition_value_is_refused_where_documented(api, client,
+                                                                                name):
+    # The document's patterns took a NUL as the one non-blank character their
+    # middle class needs ("\S"); the server refuses a NUL anywhere.
+    document = client.get("/v1/openapi.json").json
+    body = {"name": "d", "fields": [{"name": name}]}
+    status = send(client, "PUT", "/v1/datasource/0", api.headers, body).status_int
+    assert (status != 400) == documented(body_schema(document, "PUT", "/v1/datasource/{id}"),
+                                         body), status
+    ds = api.put("/datasource/0", name="e", fields=[{"name": "city"}])["id"]
+    body = {"name": "s", "datasources": [int(ds)],
+            "conditions": [{"field": "city", "op": "eq", "value": name}]}
+    status = send(client, "PUT", "/v1/segment/0", api.headers, body).status_int
+    assert (status != 400) == documented(body_schema(document, "PUT", "/v1/segment/{id}"),
+                                         body), status

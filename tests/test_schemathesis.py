@@ -33,9 +33,10 @@ def document_under_test(db, monkeypatch):
         return real(host, *args, **options)
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    # Webhook URLs may name any host here: whether a name resolves to a private
-    # address is DNS, not the request, and no document can say it.
-    client, auth = keyed_client(db, webhook_allow_private=True)
+    # The default settings: the document types the webhook URLs whose host is
+    # a refused literal address (loopback, private ...), and names do not
+    # resolve here, so no URL reaches the refusal of what DNS says.
+    client, auth = keyed_client(db)
     # One record of every kind at id 1, so that generated requests that
     # name id 1 get past the 404 to the checks of their parameters.
     build_world(Api(client, auth))
