@@ -27,7 +27,8 @@ __all__ = [
     "create_app", "main", "DEFAULT_CONFIG",
     "create_key", "list_keys", "revoke_key", "LEVELS",
     "connect", "transaction", "init_db",
-    "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue_email",
+    "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue",
+    "enqueue_email",
     "apply_bounce", "classify_bounce", "process_bounce_mailbox", "read_bounce_mailbox",
     "verp_address", "read_verp", "message_id_for", "read_message_id", "MailboxError",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
@@ -130,7 +131,7 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -1019,7 +1020,24 @@ DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
     # trigger changes (_PG_PREAMBLE, its triggers made again by schema.sql),
     # and a sequence that an explicit id sent past MAX_EXPLICIT_ID comes back.
     (4, {"sqlite": "", "postgresql": lambda conn: _pg_sequences_back(conn)}),
+    # Version 5: a tracked batch keeps its tracked html (prepared once, not
+    # again at delivery); a test send names its campaign and base URL.
+    # (On SQLite version 2 rebuilt the outbox as schema.sql has it now.)
+    (5, {"sqlite": lambda conn: _sqlite_add_columns(conn, (
+        ("batch_message", "tracked TEXT"), ("outbox", "campaign INTEGER"),
+        ("outbox", "base_url TEXT"))), "postgresql": """
+ALTER TABLE batch_message ADD COLUMN tracked TEXT;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
+"""}),
 )
+
+
+def _sqlite_add_columns(conn, columns):
+    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks."""
+    for table, column in columns:
+        if column.split()[0] not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
 def _pg_sequences_back(conn):
@@ -2100,21 +2118,73 @@ def merge_tags(template):
     return {name.lower() for name in _MERGE_TAG.findall(template or "")}
 
 
+def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
+            sender=None, batch=None, message=None, recipient=None, campaign=None,
+            base_url=None, recipients=None, now=None):
+    """Queue an email in the outbox, in the caller's transaction: the one way
+    every email of the service is sent (campaign emails, test sends, archive
+    copies, notifications, sign-up emails); the worker delivers it.
+
+    A campaign email carries no content: delivery renders it from its batch's
+    prepared message (see _archive_message()).  A test send carries its
+    prepared message with the merge tags still in it, filled at delivery by
+    the same code.  Other mail carries its ready subject and bodies.
+
+    :param kind: 'campaign', 'test', 'archive', 'notification' or 'signup'.
+    :param to_addr: the address; none with ``recipients`` (each one's own).
+    :param subject: the subject; ``body`` the plain text, ``html`` an
+        optional HTML alternative.
+    :param sender: ``{"fromname", "fromaddress", "replyto"}`` to send as (a
+        sender profile's); None: the campaign's (a campaign email) or the
+        worker's mail_from.
+    :param batch: a campaign email's batch; ``message`` the message it sends
+        (also a test send's).
+    :param recipient: the recipient row whose merge values fill the email.
+    :param campaign: the campaign a test send belongs to: it carries that
+        campaign's List-Id and unsubscribe link, without a batch.
+    :param base_url: where the email's links point; None: the worker's public_url.
+    :param recipients: ``(where, params)``, SQL on ``recipient r``: one email
+        to each such recipient not suppressed for the account, in one
+        statement however many they are (a batch's segment), in address
+        order; an address already queued for ``batch`` is skipped.
+    :param now: the time it is queued and due ('YYYY-MM-DD HH:MM:SS' UTC).
+    :returns: the outbox row's id; with ``recipients`` the number queued.
+    """
+    sender, now = sender or {}, now or _now()
+    fields = {"account": account, "kind": kind, "batch": batch, "message": message,
+              "campaign": campaign, "base_url": base_url, "subject": subject, "body": body,
+              "html": html, "fromname": sender.get("fromname"),
+              "fromaddress": sender.get("fromaddress") or None,
+              "replyto": sender.get("replyto"), "created": now, "next_try": now}
+    # Only the values given: an untyped NULL in a SELECT list is text on PostgreSQL.
+    fields = {name: value for name, value in fields.items() if value is not None}
+    marks = ", ".join("?" for _ in fields)
+    head = f"INSERT INTO outbox ({', '.join(fields)}, recipient, to_addr) "
+    if recipients is None:
+        return conn.execute(head + f"VALUES ({marks}, ?, ?)",
+                            (*fields.values(), recipient, to_addr)).lastrowid
+    where, params = recipients
+    # In address order (NOCASE, as the outbox's indexes on to_addr are):
+    # those indexes then grow at their end instead of at random pages,
+    # which past the page cache cost a page read per row.
+    return conn.execute(
+        head + f"SELECT {marks}, r.id, r.email FROM recipient r WHERE {where} "
+        "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
+        "ORDER BY r.email ON CONFLICT DO NOTHING",
+        (*fields.values(), *params, account)).rowcount
+
+
 def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None,
                   sender=None):
-    """Queue a ready-made email (a notification, an archive copy, a test
-    send) in the outbox; the worker delivers it.  Returns the outbox row id.
+    """Queue a ready-made email (a notification, an archive copy) in the
+    outbox: enqueue() with its content.  Returns the outbox row id.
 
     :param body: the plain-text body; ``html`` an optional HTML alternative.
     :param sender: ``{"fromname", "fromaddress", "replyto"}`` to send as (a
         sender profile's); None: the worker's mail_from.
     """
-    sender = sender or {}
-    return conn.execute(
-        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try, "
-        "fromname, fromaddress, replyto) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, kind, to_addr, subject, body, html, _now(), _now(), sender.get("fromname"),
-         sender.get("fromaddress") or None, sender.get("replyto"))).lastrowid
+    return enqueue(conn, account, kind, to_addr, subject=subject, body=body, html=html,
+                   sender=sender)
 
 
 def account_email(conn, account):
@@ -5028,17 +5098,8 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     for link in campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
-        where, params = segment_query(conn, segment)
-        # In address order (NOCASE, as the outbox's indexes on to_addr are):
-        # those indexes then grow at their end instead of at random pages,
-        # which past the page cache cost a page read per row.
-        conn.execute(
-            "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, "
-            "status, created, next_try) "
-            f"SELECT ?, 'campaign', ?, ?, r.id, r.email, 'queued', ?, ? FROM recipient r WHERE {where} "
-            "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
-            "ORDER BY r.email ON CONFLICT DO NOTHING",
-            (account, batch["id"], link["message"], now, now, *params, account))
+        enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
+                recipients=segment_query(conn, segment), now=now)
         _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
@@ -5088,13 +5149,16 @@ def _archive_message(conn, campaign, batch, message_id, template=None):
 
 
 def _store_links(conn, batch_id):
-    """Keep the links of each message of a tracked batch by index, from the
-    html as the batch sends it: a click token names (email, index) and
-    redirects only to the URL kept here.  Delivery rewrites the same html
-    with track_html(), so the indexes agree."""
+    """Prepare each message of a tracked batch for tracking, once: its html
+    as the batch sends it rewritten by track_html() and kept with the batch
+    (delivery fills only the recipient's values and tokens into it), and its
+    links kept by index: a click token names (email, index) and redirects
+    only to the URL kept here."""
     for message in conn.execute("SELECT message, html FROM batch_message WHERE batch = ?",
                                 (batch_id,)).fetchall():
-        _, links = track_html(message["html"])
+        tracked, links = track_html(message["html"])
+        conn.execute("UPDATE batch_message SET tracked = ? WHERE batch = ? AND message = ?",
+                     (tracked, batch_id, message["message"]))
         conn.executemany(
             "INSERT INTO batch_link (batch, message, link, url) VALUES (?, ?, ?, ?) "
             "ON CONFLICT DO NOTHING",
@@ -5300,8 +5364,9 @@ def _campaign_preview(call, child_id):
 
 
 def _test_send(call, child_id, addresses):
-    """Each campaign message once to each address, now: pre-rendered for its
-    segment's first recipient, queued as kind 'test'; no batch."""
+    """Each campaign message once to each address, now: prepared as a batch
+    would send it and queued as kind 'test' (no batch), to be rendered at
+    delivery with the merge values of its segment's first recipient."""
     if child_id != 0:   # as structure and verify: one place, at 0 (API.md section 11)
         raise NotFound("A test send makes no batch, so it has no id of its own: send it at "
                        f"/campaign/{call.parent['id']}/send/0.")
@@ -5323,12 +5388,15 @@ def _test_send(call, child_id, addresses):
     for link in campaign_links(call.conn, campaign["id"]):
         segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
-        message, letter = _link_letter(call, link, template)
+        message = MESSAGE.find(call.conn, call.account, link["message"])
+        sent = prepare_message(message, template)
         sender = campaign_sender(call.conn, campaign, message)
         for address in checked.values():
-            built = _built_email(call, letter, recipient, address)
-            enqueue_email(call.conn, campaign["owner"], address, "[Test] " + built["subject"],
-                          built["text"], kind="test", html=built["html"] or None, sender=sender)
+            enqueue(call.conn, campaign["owner"], "test", address,
+                    subject="[Test] " + sent["subject"], body=sent["text"],
+                    html=sent["html"] or None, sender=sender, message=message["id"],
+                    recipient=recipient["id"] if recipient else None, campaign=campaign["id"],
+                    base_url=call.base_url)
     return {"id": "0"}
 
 
@@ -6228,14 +6296,10 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
     values["confirm_url"] = confirm
     values["unsubscribe_url"] = unsubscribe_url(call.service.secret, call.base_url, account,
                                                 recipient["email"])
-    conn.execute(
-        "INSERT INTO outbox (account, kind, recipient, to_addr, subject, body, html, fromname, "
-        "fromaddress, replyto, created, next_try) VALUES (?, 'signup', ?, ?, ?, ?, ?, ?, ?, ?, "
-        "?, ?)", (account, recipient["id"], recipient["email"],
-                  _Template(message["subject"]).fill(values) or "(no subject)",
-                  _Template(message["text"]).fill(values) if message["text"] else "",
-                  _Template(message["html"]).fill(values, as_html=True) or None,
-                  sender["fromname"], sender["fromaddress"], sender["replyto"], _now(), _now()))
+    enqueue(conn, account, "signup", recipient["email"], recipient=recipient["id"],
+            subject=_Template(message["subject"]).fill(values) or "(no subject)",
+            body=_Template(message["text"]).fill(values) if message["text"] else "",
+            html=_Template(message["html"]).fill(values, as_html=True) or None, sender=sender)
 
 
 _CONFIRM_ROW = ("SELECT r.*, d.name AS list_name, d.owner, d.welcomemessage, d.fromprofile "
@@ -7799,11 +7863,19 @@ def message_letter(conn, campaign, message, sent, base, mail_from):
     :param base: where the API is reachable, for unsubscribe links ('' none).
     :param mail_from: the sender when neither message nor profile has one.
     """
-    sender = campaign_sender(conn, campaign, message)
+    return _campaign_letter(campaign_sender(conn, campaign, message), sent, campaign["id"],
+                            campaign["owner"], base, mail_from)
+
+
+def _campaign_letter(sender, sent, campaign, account, base, mail_from):
+    """The Letter of a campaign's prepared message ``sent`` as ``sender``
+    (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
+    campaign's List-Id, its unsubscribe links pointing at ``base``."""
     letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
-                    sent["html"], from_name=sender["fromname"], reply_to=sender["replyto"],
-                    list_id=f"<campaign-{campaign['id']}.{campaign['owner']}.campaignapi>")
-    letter.campaign, letter.account = campaign["id"], campaign["owner"]
+                    sent["html"], from_name=sender["fromname"] or "",
+                    reply_to=sender["replyto"] or "",
+                    list_id=f"<campaign-{campaign}.{account}.campaignapi>")
+    letter.campaign, letter.account = campaign, account
     letter.base = (base or "").rstrip("/")
     return letter
 
@@ -7943,12 +8015,13 @@ class _Courier:
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
                 f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts, fromname, fromaddress, replyto",
+                "html, attempts, fromname, fromaddress, replyto, campaign, base_url",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
         return rows
 
     def recipients(self, rows):
-        ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
+        ids = [row["recipient"] for row in rows
+               if row["kind"] in ("campaign", "test") and row["recipient"] is not None]
         if not ids:
             return {}
         marks = ", ".join("?" * len(ids))
@@ -8007,16 +8080,22 @@ class _Courier:
             # The content as the batch archived it when it was made, so an edit
             # of the message after the send changes no email still queued.
             sent_as = self.conn.execute(
-                "SELECT subject, html, text FROM batch_message WHERE batch = ? AND message = ?",
-                (batch_id, message_id)).fetchone() or message
+                "SELECT subject, html, text, tracked, (SELECT count(*) FROM batch_link l "
+                "WHERE l.batch = m.batch AND l.message = m.message) AS links "
+                "FROM batch_message m WHERE batch = ? AND message = ?",
+                (batch_id, message_id)).fetchone() or {**{name: message[name] for name in (
+                    "subject", "html", "text")}, "tracked": None}
             campaign = {"id": batch["campaign"], "owner": batch["owner"],
                         "accountprofile": batch["accountprofile"]}
             letter = message_letter(self.conn, campaign, message, sent_as,
                                     batch["base_url"] or self.run.public_url, self.run.mail_from)
-            letter.links = None  # tracked: how many links track_html() found
+            letter.links = None  # tracked: how many links the batch keeps
             if batch["tracking"] and letter.base and sent_as["html"]:
-                tracked, links = track_html(sent_as["html"])
-                letter.html, letter.links = _Template(tracked), len(links)
+                if sent_as["tracked"] is not None:   # prepared when the batch was made
+                    letter.html, letter.links = _Template(sent_as["tracked"]), sent_as["links"]
+                else:   # a batch made before version 5 kept only its links
+                    tracked, links = track_html(sent_as["html"])
+                    letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
         return letter
 
@@ -8028,6 +8107,8 @@ class _Courier:
 
     def build(self, row, recipients):
         """``(sender, email bytes)``, or None when the row must not be sent."""
+        if row["kind"] == "test":
+            return self.build_test(row, recipients.get(row["recipient"]))
         if row["kind"] != "campaign":
             # Ready-made: its sender, if any, is on the row (a sign-up's emails
             # go as the datasource's sender profile, a test send's as the campaign's).
@@ -8051,6 +8132,21 @@ class _Courier:
         if self.run.bounce_domain:
             sender = verp_address(self.run.secret, row["id"], self.run.bounce_domain)
         return sender, data
+
+    def build_test(self, row, recipient):
+        """A test send: its prepared message as its campaign sends it, with the
+        merge values of ``recipient`` (None: blank fields, {{email}} the
+        address).  The recipient's own unsubscribe link when the email goes
+        to them; a tester's names the tester."""
+        sent = {"subject": row["subject"] or "", "text": row["body"] or "",
+                "html": row["html"] or ""}
+        letter = _campaign_letter(row, sent, row["campaign"], row["account"],
+                                  row["base_url"] or self.run.public_url, self.run.mail_from)
+        values = {"email": row["to_addr"]} if recipient is None else recipient_values(
+            self.datasource_fields(recipient["datasource"]), recipient)
+        own = recipient is not None and recipient["email"] == row["to_addr"]
+        return recipient_email(letter, self.run.secret, row["to_addr"], values,
+                               recipient["id"] if own else None)
 
     # The SMTP side.
 
