@@ -27,7 +27,8 @@ __all__ = [
     "create_app", "main", "DEFAULT_CONFIG",
     "create_key", "list_keys", "revoke_key", "LEVELS",
     "connect", "transaction", "init_db",
-    "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue_email",
+    "process_due", "deliver", "deliver_webhooks", "run_worker", "emit", "EVENT_KINDS", "dkim_signer", "enqueue",
+    "enqueue_email",
     "apply_bounce", "classify_bounce", "process_bounce_mailbox", "read_bounce_mailbox",
     "verp_address", "read_verp", "message_id_for", "read_message_id", "MailboxError",
     "verify_campaign", "openapi_document", "ROUTES", "Route", "Resource",
@@ -130,7 +131,7 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -1019,7 +1020,24 @@ DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
     # trigger changes (_PG_PREAMBLE, its triggers made again by schema.sql),
     # and a sequence that an explicit id sent past MAX_EXPLICIT_ID comes back.
     (4, {"sqlite": "", "postgresql": lambda conn: _pg_sequences_back(conn)}),
+    # Version 5: a tracked batch keeps its tracked html (prepared once, not
+    # again at delivery); a test send names its campaign and base URL.
+    # (On SQLite version 2 rebuilt the outbox as schema.sql has it now.)
+    (5, {"sqlite": lambda conn: _sqlite_add_columns(conn, (
+        ("batch_message", "tracked TEXT"), ("outbox", "campaign INTEGER"),
+        ("outbox", "base_url TEXT"))), "postgresql": """
+ALTER TABLE batch_message ADD COLUMN tracked TEXT;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
+"""}),
 )
+
+
+def _sqlite_add_columns(conn, columns):
+    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks."""
+    for table, column in columns:
+        if column.split()[0] not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
 def _pg_sequences_back(conn):
@@ -2089,7 +2107,9 @@ def _stored_secret(conn, create=True):
 
 
 # ---------------------------------------------------------------------------
-# The outbox: every email the service sends is queued here; merge tags.
+# Emails: building every email the service sends (merge tags, templates and
+# their files, wrapping, CSS inlining, link tracking, unsubscribe links, MIME)
+# and the one enqueue() that queues each in the outbox.
 # ---------------------------------------------------------------------------
 
 _MERGE_TAG = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
@@ -2100,21 +2120,677 @@ def merge_tags(template):
     return {name.lower() for name in _MERGE_TAG.findall(template or "")}
 
 
+# Templates: checks, wrapping, template files -----------------------------------
+
+CONTENT_TAG = "content"
+
+
+def _content_tags(body):
+    return [match for match in _MERGE_TAG.finditer(body or "")
+            if match.group(1).lower() == CONTENT_TAG]
+
+
+def check_template(html_body, text_body):
+    """Raise ValueError (a sentence for the author) unless each given body of
+    a template holds ``{{content}}`` exactly once.
+
+    :param html_body: the template's html, or '' / None when it has none.
+    :param text_body: the template's text, or '' / None.
+    """
+    for part, body in (("html", html_body), ("text", text_body)):
+        if body:
+            count = len(_content_tags(body))
+            if count != 1:
+                found = "does not have it" if not count else f"has it {count} times"
+                raise ValueError(
+                    f"The template's {part} must hold {{{{content}}}} exactly once, where the "
+                    f"message goes; it {found}.")
+
+
+def wrap_in_template(template_html, template_text, message_html, message_text):
+    """The message's bodies inside the template, at its ``{{content}}``.
+
+    A body exists where the message has it (the template is its layout); a
+    template without that body leaves it as it is.  Merge tags of both stay
+    tags, to be filled per recipient.  Returns ``(html, text)``.
+
+    :param template_html: the template's html ('' or None: none); checked
+        with check_template().
+    """
+    check_template(template_html, template_text)
+
+    def wrap(template, content):
+        if not content or not template:
+            return content or ""
+        tag = _content_tags(template)[0]
+        return template[:tag.start()] + content + template[tag.end():]
+
+    return wrap(template_html, message_html), wrap(template_text, message_text)
+
+
+class TemplateUnusable(Exception):
+    """A campaign's defaulttemplate cannot wrap its messages: ``str()`` says
+    why and how to fix it; ``check`` names verify's check that reports it."""
+
+    def __init__(self, message, check="template_found"):
+        super().__init__(message)
+        self.check = check
+
+
+#: The characters a template file name may not hold (a regular expression's
+#: class, shared with the OpenAPI document): control characters, line and
+#: paragraph separators, and the bidirectional controls that make a name read
+#: otherwise than it is.
+TEMPLATE_NAME_REFUSED = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
+
+
+def _template_file(templates_dir, name, suffix):
+    """The path of template file ``name`` + ``suffix`` ('.html' or '.txt') in
+    ``templates_dir``; ValueError (a sentence) for a name that is no plain
+    file name there: a path separator, '..', a character of
+    TEMPLATE_NAME_REFUSED, or a file (a symlink too) that resolves outside the
+    folder."""
+    if not templates_dir:
+        raise ValueError("This server has no templates folder (the templates_dir setting, "
+                         "--templates-dir), so a template file cannot be named; use a template "
+                         "id or ''.")
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if name.lower().endswith(".html"):
+        name, bare = name[:-len(".html")], name
+    else:
+        bare = name
+    if not name or ".." in bare or any(sep in name for sep in separators) \
+            or re.search(f"[{TEMPLATE_NAME_REFUSED}]", name):
+        raise ValueError(f"'{name}' is not a template file name: give NAME of a file NAME.html "
+                         "in the templates folder, without a path, '..' or control characters.")
+    folder = os.path.realpath(templates_dir)
+    path = os.path.realpath(os.path.join(folder, name + suffix))
+    if os.path.commonpath([folder, path]) != folder:
+        raise ValueError(f"The template file '{name}{suffix}' resolves outside the templates "
+                         "folder (a symlink?); only files inside it can be used.")
+    return path
+
+
+def _read_template_file(templates_dir, name):
+    """``(html, text)`` of template file NAME.html (and NAME.txt, if there),
+    read from disk every time: an edited file counts at once."""
+    try:
+        paths = [_template_file(templates_dir, name, suffix) for suffix in (".html", ".txt")]
+    except ValueError as error:
+        raise TemplateUnusable(str(error)) from None
+    bodies = []
+    for path, required in zip(paths, (True, False)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                bodies.append(f.read())
+        except FileNotFoundError:
+            if required:
+                raise TemplateUnusable(
+                    f"The template file {os.path.basename(path)} does not exist in the templates "
+                    "folder: add it, or point the campaign's defaulttemplate at another "
+                    "template.") from None
+            bodies.append("")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else (
+                error.strerror or str(error))
+            raise TemplateUnusable(f"The template file {os.path.basename(path)} cannot be read "
+                                   f"({reason}): fix the file.") from None
+    return tuple(bodies)
+
+
+def campaign_template(conn, account, defaulttemplate, templates_dir):
+    """The bodies ``(html, text)`` that wrap a campaign's messages, or None
+    when it has no template; TemplateUnusable when it cannot be used.
+
+    :param defaulttemplate: the campaign's: '', a template id of ``account``,
+        or the NAME of a file NAME.html (and NAME.txt) in ``templates_dir``.
+    """
+    value = (defaulttemplate or "").strip()
+    if not value:
+        return None
+    if value.isascii() and value.isdigit():
+        row = conn.execute("SELECT html, text, deleted FROM template WHERE id = ? AND owner = ?",
+                           (_as_int(value), account)).fetchone()
+        fix = "create it with PUT /v1/template/{} or point the campaign at another template"
+        if row is None:
+            raise TemplateUnusable(f"Template {value} does not exist: " + fix.format(value) + ".")
+        if row["deleted"]:
+            raise TemplateUnusable(f"Template {value} is deleted: point the campaign's "
+                                   "defaulttemplate at another template, or clear it with ''.")
+        where, bodies = f"template {value}", (row["html"], row["text"])
+    else:
+        where, bodies = f"the template file '{value}'", _read_template_file(templates_dir, value)
+    if not any(body.strip() for body in bodies):
+        raise TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
+                               "{{content}}.", "template_content")
+    try:
+        check_template(*bodies)
+    except ValueError as error:
+        raise TemplateUnusable(f"{where.capitalize()}: {error}", "template_content") from None
+    return bodies
+
+
+def _check_defaulttemplate(call, value):
+    """A campaign's ``defaulttemplate`` as stored: '', the id of a live
+    template of the caller's, or a file name that stays inside the templates
+    folder (the file itself may come later: verify says when it is missing)."""
+    if not isinstance(value, str):  # an id may come as a JSON number (705.0 is 705)
+        if _as_int(value) is None:
+            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
+                                   "file name.", field="defaulttemplate")
+        value = str(_as_int(value))
+    value = value.strip(" ")
+    if value.isascii() and value.isdigit():
+        number = _as_int(value)
+        if number is None:
+            raise InvalidParameter("'defaulttemplate' is not a template id.",
+                                   field="defaulttemplate")
+        return str(number)   # a live template of the caller's: the route found it
+    if value:
+        if not call.service.config["templates_dir"]:
+            raise Conflict("This server has no templates folder (the templates_dir setting, "
+                           "--templates-dir), so a template file cannot be named; use a "
+                           "template id or ''.", field="defaulttemplate")
+        try:
+            for suffix in (".html", ".txt"):
+                _template_file(call.service.config["templates_dir"], value, suffix)
+        except ValueError as error:
+            raise InvalidParameter(str(error), field="defaulttemplate") from None
+    return value
+
+
+# CSS inlining ----------------------------------------------------------------
+
+def inline_css(html_text):
+    """The html with the rules of its ``<style>`` blocks moved into style
+    attributes (mail clients drop ``<style>``), once per message.
+
+    @media and other at-rules stay in a ``<style>`` block (only a block can
+    hold them); ``<link>`` stylesheets stay as written and are not fetched (no
+    network while sending).  Merge tags survive, also inside attributes.  A
+    document without ``<style>`` comes back as it is; one the inliner cannot
+    handle too, with a warning in the log.
+
+    :param html_text: an html document or fragment, merge tags still in it.
+    """
+    if not html_text or "<style" not in html_text.lower():
+        return html_text
+    try:
+        import css_inline
+    except ImportError:
+        log.warning("css-inline is not installed (pip install css-inline); <style> blocks "
+                    "are sent as they are")
+        return html_text
+    try:
+        return _css_inliner(css_inline).inline(html_text)
+    except Exception as error:  # noqa: BLE001 - any failure: send the html as written
+        log.warning("CSS could not be inlined (%s); the html is sent as written", error)
+        return html_text
+
+
+@functools.lru_cache(maxsize=1)
+def _css_inliner(css_inline):
+    return css_inline.CSSInliner(keep_at_rules=True, keep_link_tags=True,
+                                 load_remote_stylesheets=False)
+
+
+# Open and click tracking ----------------------------------------------------
+
+#: The merge tags track_html() puts in a message: the open image's URL and
+#: each tracked link's URL, filled per recipient by tracking_values().
+OPEN_URL_TAG = "open_url"
+CLICK_URL_TAG = "click_url_{}"
+_PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
+          'style="display:block;width:1px;height:1px;border:0;margin:0;padding:0">')
+#: A transparent 1x1 GIF89a (43 bytes), the answer of the open URL.
+GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
+             b"!\xf9\x04\x01\x00\x00\x00\x00"
+             b",\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;")
+# The parser's own patterns for a start tag's name and attributes (with a
+# copy for a Python that renames them): the spans they find are checked
+# against the attributes the parser reports, so the two cannot disagree.
+_TAG_NAME = getattr(html.parser, "tagfind_tolerant", None) or re.compile(
+    r"([a-zA-Z][^\t\n\r\f />\x00]*)(?:\s|/(?!>))*")
+_ATTRIBUTE = getattr(html.parser, "attrfind_tolerant", None) or re.compile(
+    r"((?<=[\'\"\s/])[^\s/>][^\s/=>]*)(\s*=+\s*(\'[^\']*\'|\"[^\"]*\"|(?![\'\"])[^>\s]*))?"
+    r"(?:\s|/(?!>))*")
+_URL_SPACE = re.compile(r"[\t\n\r]")  # browsers drop these inside a URL
+_URL_AUTHORITY = re.compile(r"(?i)https?://([^/?#\\]*)")
+
+
+class _LinkFinder(html.parser.HTMLParser):
+    """Where the links and the closing body tag are: (line, column) of each
+    ``<a href>`` start tag with its source text and href, and of the last
+    ``</body>``.  The parser knows comments, <script> and <style>, so a link
+    written inside them is not one."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.anchors, self.body_end = [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a":
+            self.anchors.append((self.getpos(), self.get_starttag_text(), attrs))
+
+    def handle_endtag(self, tag):
+        if tag == "body":
+            self.body_end = self.getpos()
+
+
+def _href_span(source, attrs):
+    """(start, end) of the first href value in a start tag's ``source``, quotes
+    included; None where our reading differs from the parser's ``attrs``."""
+    match = _TAG_NAME.match(source, 1)
+    if match is None:
+        return None
+    position, seen, span = match.end(), [], None
+    while position < len(source):
+        match = _ATTRIBUTE.match(source, position)
+        if match is None:
+            break
+        name, rest, value = match.group(1, 2, 3)
+        if not rest:
+            value = None
+        elif value[:1] in "'\"" and value[:1] == value[-1:] and len(value) > 1:
+            value = value[1:-1]
+        seen.append((name.lower(), html.unescape(value) if value else value))
+        if span is None and name.lower() == "href" and rest:
+            span = match.span(3)
+        position = match.end()
+    return span if seen == list(attrs) else None
+
+
+def _trackable(url):
+    """The link as a browser reads it, when it is one to track, else None.
+
+    Only http(s) URLs whose scheme and host are written out: a merge tag in
+    the host would let a recipient's data (a sign-up form is public) choose
+    where our click URL redirects."""
+    url = _URL_SPACE.sub("", url.strip(" \t\n\r\f"))
+    if "unsubscribe_url" in merge_tags(url):
+        return None
+    match = _URL_AUTHORITY.match(url)
+    if match is None or not match.group(1) or "{" in match.group(1) or "}" in match.group(1):
+        return None
+    return url
+
+
+def track_html(html_template):
+    """Prepare a message's html for open and click tracking, once per batch.
+
+    Every ``<a href>`` holding an http(s) URL gets the merge tag
+    ``{{click_url_N}}`` (N from 0, in document order) as its value, and an
+    open image ``<img src="{{open_url}}">`` goes before ``</body>`` (or at
+    the end).  The unsubscribe link, mailto:, tel:, anchors and links in
+    comments or scripts stay.  Nothing else changes: the edits are made by
+    source position, the document is not written out again.
+
+    :param html_template: the html with its merge tags still in it.
+    :returns: ``(html, links)``: the new template, and the URLs of the links
+        in tag order, entities decoded and merge tags kept, to be stored with
+        the batch and resolved at click time by click_target().
+    """
+    source = html_template or ""
+    finder = _LinkFinder()
+    end = len(source)
+    try:
+        finder.feed(source)
+        # What the parser keeps back is an unfinished tag, comment or
+        # character reference: the image goes before it, not into it.
+        end -= len(finder.rawdata)
+        finder.close()
+    except Exception:  # noqa: BLE001 - a parser bug must not stop a send
+        log.warning("html of a message could not be parsed for tracking; the links "
+                    "found before the error are tracked", exc_info=True)
+    line_starts = [0] + [match.end() for match in re.finditer("\n", source)]
+
+    def offset(position):
+        return line_starts[position[0] - 1] + position[1]
+
+    edits, links = [], []
+    for position, tag_source, attrs in finder.anchors:
+        start = offset(position)
+        href = next((value for name, value in attrs if name == "href"), None)
+        url = _trackable(href) if href else None
+        span = _href_span(tag_source, attrs) if url else None
+        if span is None or source[start:start + len(tag_source)] != tag_source:
+            continue
+        tag = "{{" + CLICK_URL_TAG.format(len(links)) + "}}"
+        edits.append((start + span[0], start + span[1], f'"{tag}"'))
+        links.append(url)
+    if finder.body_end:
+        end = min(end, offset(finder.body_end))
+    edits.append((end, end, _PIXEL))
+    out, done = [], 0
+    for begin, stop, text in edits:  # in source order: the pixel is after every link
+        out += (source[done:begin], text)
+        done = stop
+    out.append(source[done:])
+    return "".join(out), links
+
+
+def tracking_values(secret, base, email_id, link_count):
+    """The per-recipient values of the tags track_html() adds.
+
+    :param base: where the API is reachable (public_url or the batch's base_url).
+    :param email_id: the outbox row of this email.
+    :param link_count: ``len(links)`` of track_html().
+    """
+    base = base.rstrip("/")
+    values = {OPEN_URL_TAG: f"{base}/v1/open/{sign_token(secret, 'open', email_id)}"}
+    for index in range(link_count):
+        values[CLICK_URL_TAG.format(index)] = (
+            f"{base}/v1/click/{sign_token(secret, 'click', email_id, index)}")
+    return values
+
+
+def click_target(url, values):
+    """Where a click goes: a stored link (of track_html()) with the clicking
+    recipient's merge values, as the browser would have read the untracked
+    link (values as they are; spaces, quotes and non-ASCII percent-encoded),
+    so a valid Location header.  The host cannot depend on the values:
+    track_html() tracks no link with a merge tag before its path.
+
+    :param values: ``{name: str}`` of the recipient, names without case.
+    """
+    filled = _Template(url).fill({name.lower(): str(value) for name, value in values.items()})
+    return urllib.parse.quote(filled, safe="!#$%&'()*+,-./:;=?@[]_~")
+
+
+# Unsubscribe links -----------------------------------------------------------
+
+def unsubscribe_url(secret, base, account, address, campaign=None):
+    """The one-click unsubscribe link of ``address`` for the account's mail.
+
+    :param base: where the API is reachable (public_url or a batch's base_url).
+    """
+    return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
+
+
+def email_unsubscribe_url(secret, base, campaign, recipient):
+    """The one-click unsubscribe link of a campaign's emails to one recipient:
+    opaque, it names the campaign and the recipient row (the address, the
+    account and the email that carried it are looked up), and it is the same
+    for every email of the campaign to that recipient, so a preview shows the
+    link the email will carry.
+
+    :param base: where the API is reachable (public_url or a batch's base_url).
+    """
+    token = sign_token(secret, "unsubscribe", campaign, recipient)
+    return f"{base.rstrip('/')}/v1/unsubscribe/{token}"
+
+
+# MIME: the fixed part of an email is encoded once by the email package; what
+# differs per recipient is joined to it as bytes (building a whole
+# EmailMessage costs more than sending it).  ------------------------------------
+
+_POLICY = email.policy.SMTP
+_LINE_BREAK = re.compile(r"[\r\n]+")
+_LONG_LINE = re.compile(rb"[^\n]{999}")
+
+
+def _header(name, value):
+    """One header line as bytes: encoded (RFC 2047) and folded when needed."""
+    value = _LINE_BREAK.sub(" ", str(value)).strip()
+    if value.isascii() and (len(name) + len(value) <= 76 or " " not in value):
+        return f"{name}: {value}\r\n".encode("ascii")
+    return _POLICY.header_factory(name, value).fold(policy=_POLICY).encode("ascii")
+
+
+def _address_header(name, display_name, address):
+    try:
+        value = str(email.headerregistry.Address(display_name=display_name, addr_spec=address))
+    except (ValueError, IndexError, email.errors.MessageError):
+        value = address
+    return _header(name, value)
+
+
+def _mime_part(content, subtype):
+    """A text/* part: 7bit when it is short-lined ASCII, else quoted-printable."""
+    if "\r" in content:
+        content = content.replace("\r\n", "\n").replace("\r", "\n")
+    data = content.encode("utf-8")
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    if data.isascii() and not _LONG_LINE.search(data):
+        encoding = b"7bit"
+    else:
+        encoding, data = b"quoted-printable", binascii.b2a_qp(data, istext=True)
+    return (b"Content-Type: text/" + subtype + b'; charset="utf-8"\r\n'
+            b"Content-Transfer-Encoding: " + encoding + b"\r\n\r\n" + data.replace(b"\n", b"\r\n"))
+
+
+class _Template:
+    """A merge template split once into text and tag names; fill() gives what
+    the merge-tag rule asks, at a small cost, for recipient after recipient."""
+
+    def __init__(self, template):
+        pieces = _MERGE_TAG.split(template or "")
+        self.texts, self.names = pieces[0::2], [name.lower() for name in pieces[1::2]]
+
+    def fill(self, values, *, as_html=False):
+        """:param values: ``{lower-case name: str}``."""
+        if not self.names:
+            return self.texts[0]
+        if as_html:
+            values = {name: html.escape(values.get(name, ""), quote=True)
+                      for name in set(self.names)}
+        out = [self.texts[0]]
+        for name, text in zip(self.names, self.texts[1:]):
+            out += (values.get(name, ""), text)
+        return "".join(out)
+
+
+class _Literal(_Template):
+    """Text used as it is (a notification's body: braces are not tags)."""
+
+    def __init__(self, text):
+        self.texts, self.names = [text], []
+
+
+class Letter:
+    """One kind of email (a sender and a message's templates), ready to be
+    built for each recipient with build()."""
+
+    def __init__(self, sender, subject, text, html_body="", *, from_name="", reply_to="",
+                 list_id=None, templated=True):
+        """:param templated: fill merge tags from the values given to build()."""
+        self.sender = sender
+        self.domain = sender.rpartition("@")[2] or "localhost"
+        self.subject = _Template(subject) if templated and merge_tags(subject) else None
+        head = [_address_header("From", from_name, sender)]
+        if reply_to:
+            head.append(_address_header("Reply-To", "", reply_to))
+        if self.subject is None:
+            head.append(_header("Subject", subject))
+        if list_id:
+            head.append(_header("List-Id", list_id))
+        head.append(b"MIME-Version: 1.0\r\n")
+        self.head = b"".join(head)
+        if not text and not html_body:
+            text = " "
+        wrap = _Template if templated else _Literal
+        self.text = wrap(text) if text else None
+        self.html = wrap(html_body) if html_body else None
+        self.boundary = ("=_" + secrets.token_hex(16)).encode("ascii")
+
+    def build(self, to_addr, values=None, unsubscribe=None, message_id=None):
+        """The email to ``to_addr`` as bytes (RFC 5322, CRLF line ends).
+
+        :param values: merge values, ``{name: str}``; names without case.
+        :param message_id: the Message-ID (default: a new random one).
+        """
+        values = {name.lower(): str(value) for name, value in (values or {}).items()}
+        message_id = message_id or email.utils.make_msgid(domain=self.domain)
+        # A non-ASCII address goes out only over SMTPUTF8, whose headers are UTF-8 (RFC 6532).
+        to = _header("To", to_addr) if to_addr.isascii() else f"To: {to_addr}\r\n".encode()
+        head = [self.head, to, b"Date: ", email.utils.formatdate(usegmt=True).encode(),
+                b"\r\nMessage-ID: ", message_id.encode(), b"\r\n"]
+        if self.subject is not None:
+            head.append(_header("Subject", self.subject.fill(values)))
+        if unsubscribe:
+            head.append(_header("List-Unsubscribe", f"<{unsubscribe}>"))
+            head.append(b"List-Unsubscribe-Post: List-Unsubscribe=One-Click\r\n")
+        parts = []
+        if self.text:
+            parts.append(_mime_part(self.text.fill(values), b"plain"))
+        if self.html:
+            parts.append(_mime_part(self.html.fill(values, as_html=True), b"html"))
+        if len(parts) == 1:
+            return b"".join(head) + parts[0]
+        # The CRLF before a boundary belongs to the boundary (RFC 2046), so
+        # each part's own last line end is kept by a second one.
+        marker = b"--" + self.boundary
+        body = b"".join(marker + b"\r\n" + part + b"\r\n" for part in parts) + marker + b"--\r\n"
+        return (b"".join(head) + b'Content-Type: multipart/alternative; boundary="' + self.boundary
+                + b'"\r\n\r\n' + body)
+
+
+def campaign_sender(conn, campaign, message):
+    """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
+    message's own values where set, else the campaign's sender profile's.
+
+    :param campaign: ``{"owner", "accountprofile"}``: a profile of another
+        account is no profile, just as one that does not exist.
+    """
+    profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
+                           "WHERE id = ? AND owner = ?",
+                           (campaign["accountprofile"], campaign["owner"])).fetchone()
+    profile = dict(profile) if profile else {}
+    return {name: message[name] or profile.get(name) or ""
+            for name in ("fromname", "fromaddress", "replyto")}
+
+
+def message_letter(conn, campaign, message, sent, base, mail_from):
+    """The Letter of one campaign message, as delivery, preview and test
+    sends all build it.
+
+    :param campaign: ``{"id", "owner", "accountprofile"}`` of the campaign.
+    :param message: the message row (for its sender).
+    :param sent: ``{"subject", "html", "text"}`` as the batch sends them
+        (prepare_message()).
+    :param base: where the API is reachable, for unsubscribe links ('' none).
+    :param mail_from: the sender when neither message nor profile has one.
+    """
+    return _campaign_letter(campaign_sender(conn, campaign, message), sent, campaign["id"],
+                            campaign["owner"], base, mail_from)
+
+
+def _campaign_letter(sender, sent, campaign, account, base, mail_from):
+    """The Letter of a campaign's prepared message ``sent`` as ``sender``
+    (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
+    campaign's List-Id, its unsubscribe links pointing at ``base``."""
+    letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
+                    sent["html"], from_name=sender["fromname"] or "",
+                    reply_to=sender["replyto"] or "",
+                    list_id=f"<campaign-{campaign}.{account}.campaignapi>")
+    letter.campaign, letter.account = campaign, account
+    letter.base = (base or "").rstrip("/")
+    return letter
+
+
+def recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
+    """``(sender, email bytes)`` of a campaign Letter for one recipient: the
+    merge ``values`` with the unsubscribe link.
+
+    :param recipient: the recipient's id: the link names it and the campaign,
+        opaquely, so delivery and preview give the same link.  None (a test
+        send): the link names ``to_addr``, the tester, instead.
+    """
+    link = None
+    if letter.base and recipient is not None:
+        link = email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
+    elif letter.base:
+        link = unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
+    values["unsubscribe_url"] = link or ""
+    return letter.sender, letter.build(to_addr, values, link, message_id)
+
+
+# Preparing a campaign message ---------------------------------------------------
+
+def prepare_message(message, template):
+    """A message as every recipient of a batch gets it, before their merge
+    values: ``{"subject", "html", "text"}``, the bodies inside the template
+    (see wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
+    once per message per batch; delivery, preview and test sends start here.
+
+    :param message: the message row; ``template``: ``(html, text)`` or None.
+    """
+    html_body, text_body = message["html"], message["text"]
+    if template:
+        html_body, text_body = wrap_in_template(*template, html_body, text_body)
+    return {"subject": message["subject"], "html": inline_css(html_body), "text": text_body}
+
+
+# The outbox ------------------------------------------------------------------
+
+def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
+            sender=None, batch=None, message=None, recipient=None, campaign=None,
+            base_url=None, recipients=None, now=None):
+    """Queue an email in the outbox, in the caller's transaction: the one way
+    every email of the service is sent (campaign emails, test sends, archive
+    copies, notifications, sign-up emails); the worker delivers it.
+
+    A campaign email carries no content: delivery renders it from its batch's
+    prepared message (see _archive_message()).  A test send carries its
+    prepared message with the merge tags still in it, filled at delivery by
+    the same code.  Other mail carries its ready subject and bodies.
+
+    :param kind: 'campaign', 'test', 'archive', 'notification' or 'signup'.
+    :param to_addr: the address; none with ``recipients`` (each one's own).
+    :param subject: the subject; ``body`` the plain text, ``html`` an
+        optional HTML alternative.
+    :param sender: ``{"fromname", "fromaddress", "replyto"}`` to send as (a
+        sender profile's); None: the campaign's (a campaign email) or the
+        worker's mail_from.
+    :param batch: a campaign email's batch; ``message`` the message it sends
+        (also a test send's).
+    :param recipient: the recipient row whose merge values fill the email.
+    :param campaign: the campaign a test send belongs to: it carries that
+        campaign's List-Id and unsubscribe link, without a batch.
+    :param base_url: where the email's links point; None: the worker's public_url.
+    :param recipients: ``(where, params)``, SQL on ``recipient r``: one email
+        to each such recipient not suppressed for the account, in one
+        statement however many they are (a batch's segment), in address
+        order; an address already queued for ``batch`` is skipped.
+    :param now: the time it is queued and due ('YYYY-MM-DD HH:MM:SS' UTC).
+    :returns: the outbox row's id; with ``recipients`` the number queued.
+    """
+    sender, now = sender or {}, now or _now()
+    fields = {"account": account, "kind": kind, "batch": batch, "message": message,
+              "campaign": campaign, "base_url": base_url, "subject": subject, "body": body,
+              "html": html, "fromname": sender.get("fromname"),
+              "fromaddress": sender.get("fromaddress") or None,
+              "replyto": sender.get("replyto"), "created": now, "next_try": now}
+    # Only the values given: an untyped NULL in a SELECT list is text on PostgreSQL.
+    fields = {name: value for name, value in fields.items() if value is not None}
+    marks = ", ".join("?" for _ in fields)
+    head = f"INSERT INTO outbox ({', '.join(fields)}, recipient, to_addr) "
+    if recipients is None:
+        return conn.execute(head + f"VALUES ({marks}, ?, ?)",
+                            (*fields.values(), recipient, to_addr)).lastrowid
+    where, params = recipients
+    # In address order (NOCASE, as the outbox's indexes on to_addr are):
+    # those indexes then grow at their end instead of at random pages,
+    # which past the page cache cost a page read per row.
+    return conn.execute(
+        head + f"SELECT {marks}, r.id, r.email FROM recipient r WHERE {where} "
+        "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
+        "ORDER BY r.email ON CONFLICT DO NOTHING",
+        (*fields.values(), *params, account)).rowcount
+
+
 def enqueue_email(conn, account, to_addr, subject, body, kind="notification", html=None,
                   sender=None):
-    """Queue a ready-made email (a notification, an archive copy, a test
-    send) in the outbox; the worker delivers it.  Returns the outbox row id.
+    """Queue a ready-made email (a notification, an archive copy) in the
+    outbox: enqueue() with its content.  Returns the outbox row id.
 
     :param body: the plain-text body; ``html`` an optional HTML alternative.
     :param sender: ``{"fromname", "fromaddress", "replyto"}`` to send as (a
         sender profile's); None: the worker's mail_from.
     """
-    sender = sender or {}
-    return conn.execute(
-        "INSERT INTO outbox (account, kind, to_addr, subject, body, html, created, next_try, "
-        "fromname, fromaddress, replyto) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (account, kind, to_addr, subject, body, html, _now(), _now(), sender.get("fromname"),
-         sender.get("fromaddress") or None, sender.get("replyto"))).lastrowid
+    return enqueue(conn, account, kind, to_addr, subject=subject, body=body, html=html,
+                   sender=sender)
 
 
 def account_email(conn, account):
@@ -4080,137 +4756,6 @@ TEMPLATE = Resource("template", "template", _plain_record, columns="name:str htm
                     values=_template_values, repeat={"delete": "id"})
 
 
-class TemplateUnusable(Exception):
-    """A campaign's defaulttemplate cannot wrap its messages: ``str()`` says
-    why and how to fix it; ``check`` names verify's check that reports it."""
-
-    def __init__(self, message, check="template_found"):
-        super().__init__(message)
-        self.check = check
-
-
-#: The characters a template file name may not hold (a regular expression's
-#: class, shared with the OpenAPI document): control characters, line and
-#: paragraph separators, and the bidirectional controls that make a name read
-#: otherwise than it is.
-TEMPLATE_NAME_REFUSED = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
-
-
-def _template_file(templates_dir, name, suffix):
-    """The path of template file ``name`` + ``suffix`` ('.html' or '.txt') in
-    ``templates_dir``; ValueError (a sentence) for a name that is no plain
-    file name there: a path separator, '..', a character of
-    TEMPLATE_NAME_REFUSED, or a file (a symlink too) that resolves outside the
-    folder."""
-    if not templates_dir:
-        raise ValueError("This server has no templates folder (the templates_dir setting, "
-                         "--templates-dir), so a template file cannot be named; use a template "
-                         "id or ''.")
-    separators = {"/", "\\", os.sep, os.altsep} - {None}
-    if name.lower().endswith(".html"):
-        name, bare = name[:-len(".html")], name
-    else:
-        bare = name
-    if not name or ".." in bare or any(sep in name for sep in separators) \
-            or re.search(f"[{TEMPLATE_NAME_REFUSED}]", name):
-        raise ValueError(f"'{name}' is not a template file name: give NAME of a file NAME.html "
-                         "in the templates folder, without a path, '..' or control characters.")
-    folder = os.path.realpath(templates_dir)
-    path = os.path.realpath(os.path.join(folder, name + suffix))
-    if os.path.commonpath([folder, path]) != folder:
-        raise ValueError(f"The template file '{name}{suffix}' resolves outside the templates "
-                         "folder (a symlink?); only files inside it can be used.")
-    return path
-
-
-def _read_template_file(templates_dir, name):
-    """``(html, text)`` of template file NAME.html (and NAME.txt, if there),
-    read from disk every time: an edited file counts at once."""
-    try:
-        paths = [_template_file(templates_dir, name, suffix) for suffix in (".html", ".txt")]
-    except ValueError as error:
-        raise TemplateUnusable(str(error)) from None
-    bodies = []
-    for path, required in zip(paths, (True, False)):
-        try:
-            with open(path, encoding="utf-8") as f:
-                bodies.append(f.read())
-        except FileNotFoundError:
-            if required:
-                raise TemplateUnusable(
-                    f"The template file {os.path.basename(path)} does not exist in the templates "
-                    "folder: add it, or point the campaign's defaulttemplate at another "
-                    "template.") from None
-            bodies.append("")
-        except (OSError, UnicodeDecodeError) as error:
-            reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else (
-                error.strerror or str(error))
-            raise TemplateUnusable(f"The template file {os.path.basename(path)} cannot be read "
-                                   f"({reason}): fix the file.") from None
-    return tuple(bodies)
-
-
-def campaign_template(conn, account, defaulttemplate, templates_dir):
-    """The bodies ``(html, text)`` that wrap a campaign's messages, or None
-    when it has no template; TemplateUnusable when it cannot be used.
-
-    :param defaulttemplate: the campaign's: '', a template id of ``account``,
-        or the NAME of a file NAME.html (and NAME.txt) in ``templates_dir``.
-    """
-    value = (defaulttemplate or "").strip()
-    if not value:
-        return None
-    if value.isascii() and value.isdigit():
-        row = conn.execute("SELECT html, text, deleted FROM template WHERE id = ? AND owner = ?",
-                           (_as_int(value), account)).fetchone()
-        fix = "create it with PUT /v1/template/{} or point the campaign at another template"
-        if row is None:
-            raise TemplateUnusable(f"Template {value} does not exist: " + fix.format(value) + ".")
-        if row["deleted"]:
-            raise TemplateUnusable(f"Template {value} is deleted: point the campaign's "
-                                   "defaulttemplate at another template, or clear it with ''.")
-        where, bodies = f"template {value}", (row["html"], row["text"])
-    else:
-        where, bodies = f"the template file '{value}'", _read_template_file(templates_dir, value)
-    if not any(body.strip() for body in bodies):
-        raise TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
-                               "{{content}}.", "template_content")
-    try:
-        check_template(*bodies)
-    except ValueError as error:
-        raise TemplateUnusable(f"{where.capitalize()}: {error}", "template_content") from None
-    return bodies
-
-
-def _check_defaulttemplate(call, value):
-    """A campaign's ``defaulttemplate`` as stored: '', the id of a live
-    template of the caller's, or a file name that stays inside the templates
-    folder (the file itself may come later: verify says when it is missing)."""
-    if not isinstance(value, str):  # an id may come as a JSON number (705.0 is 705)
-        if _as_int(value) is None:
-            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
-                                   "file name.", field="defaulttemplate")
-        value = str(_as_int(value))
-    value = value.strip(" ")
-    if value.isascii() and value.isdigit():
-        number = _as_int(value)
-        if number is None:
-            raise InvalidParameter("'defaulttemplate' is not a template id.",
-                                   field="defaulttemplate")
-        return str(number)   # a live template of the caller's: the route found it
-    if value:
-        if not call.service.config["templates_dir"]:
-            raise Conflict("This server has no templates folder (the templates_dir setting, "
-                           "--templates-dir), so a template file cannot be named; use a "
-                           "template id or ''.", field="defaulttemplate")
-        try:
-            for suffix in (".html", ".txt"):
-                _template_file(call.service.config["templates_dir"], value, suffix)
-        except ValueError as error:
-            raise InvalidParameter(str(error), field="defaulttemplate") from None
-    return value
-
-
 # ---------------------------------------------------------------------------
 # Segments
 # ---------------------------------------------------------------------------
@@ -5028,17 +5573,8 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     for link in campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
-        where, params = segment_query(conn, segment)
-        # In address order (NOCASE, as the outbox's indexes on to_addr are):
-        # those indexes then grow at their end instead of at random pages,
-        # which past the page cache cost a page read per row.
-        conn.execute(
-            "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, "
-            "status, created, next_try) "
-            f"SELECT ?, 'campaign', ?, ?, r.id, r.email, 'queued', ?, ? FROM recipient r WHERE {where} "
-            "AND NOT EXISTS (SELECT 1 FROM suppression s WHERE s.account = ? AND s.email = r.email) "
-            "ORDER BY r.email ON CONFLICT DO NOTHING",
-            (account, batch["id"], link["message"], now, now, *params, account))
+        enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
+                recipients=segment_query(conn, segment), now=now)
         _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
@@ -5049,20 +5585,6 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     _batch_event(conn, conn.execute("SELECT * FROM batch WHERE id = ?", (batch["id"],)).fetchone(),
                  "batch.started", pending)
     log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
-
-
-def prepare_message(message, template):
-    """A message as every recipient of a batch gets it, before their merge
-    values: ``{"subject", "html", "text"}``, the bodies inside the template
-    (see wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
-    once per message per batch; delivery, preview and test sends start here.
-
-    :param message: the message row; ``template``: ``(html, text)`` or None.
-    """
-    html_body, text_body = message["html"], message["text"]
-    if template:
-        html_body, text_body = wrap_in_template(*template, html_body, text_body)
-    return {"subject": message["subject"], "html": inline_css(html_body), "text": text_body}
 
 
 def _archive_message(conn, campaign, batch, message_id, template=None):
@@ -5088,13 +5610,16 @@ def _archive_message(conn, campaign, batch, message_id, template=None):
 
 
 def _store_links(conn, batch_id):
-    """Keep the links of each message of a tracked batch by index, from the
-    html as the batch sends it: a click token names (email, index) and
-    redirects only to the URL kept here.  Delivery rewrites the same html
-    with track_html(), so the indexes agree."""
+    """Prepare each message of a tracked batch for tracking, once: its html
+    as the batch sends it rewritten by track_html() and kept with the batch
+    (delivery fills only the recipient's values and tokens into it), and its
+    links kept by index: a click token names (email, index) and redirects
+    only to the URL kept here."""
     for message in conn.execute("SELECT message, html FROM batch_message WHERE batch = ?",
                                 (batch_id,)).fetchall():
-        _, links = track_html(message["html"])
+        tracked, links = track_html(message["html"])
+        conn.execute("UPDATE batch_message SET tracked = ? WHERE batch = ? AND message = ?",
+                     (tracked, batch_id, message["message"]))
         conn.executemany(
             "INSERT INTO batch_link (batch, message, link, url) VALUES (?, ?, ?, ?) "
             "ON CONFLICT DO NOTHING",
@@ -5300,8 +5825,9 @@ def _campaign_preview(call, child_id):
 
 
 def _test_send(call, child_id, addresses):
-    """Each campaign message once to each address, now: pre-rendered for its
-    segment's first recipient, queued as kind 'test'; no batch."""
+    """Each campaign message once to each address, now: prepared as a batch
+    would send it and queued as kind 'test' (no batch), to be rendered at
+    delivery with the merge values of its segment's first recipient."""
     if child_id != 0:   # as structure and verify: one place, at 0 (API.md section 11)
         raise NotFound("A test send makes no batch, so it has no id of its own: send it at "
                        f"/campaign/{call.parent['id']}/send/0.")
@@ -5323,12 +5849,15 @@ def _test_send(call, child_id, addresses):
     for link in campaign_links(call.conn, campaign["id"]):
         segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
-        message, letter = _link_letter(call, link, template)
+        message = MESSAGE.find(call.conn, call.account, link["message"])
+        sent = prepare_message(message, template)
         sender = campaign_sender(call.conn, campaign, message)
         for address in checked.values():
-            built = _built_email(call, letter, recipient, address)
-            enqueue_email(call.conn, campaign["owner"], address, "[Test] " + built["subject"],
-                          built["text"], kind="test", html=built["html"] or None, sender=sender)
+            enqueue(call.conn, campaign["owner"], "test", address,
+                    subject="[Test] " + sent["subject"], body=sent["text"],
+                    html=sent["html"] or None, sender=sender, message=message["id"],
+                    recipient=recipient["id"] if recipient else None, campaign=campaign["id"],
+                    base_url=call.base_url)
     return {"id": "0"}
 
 
@@ -5374,14 +5903,6 @@ def read_unsubscribe_token(secret, token):
         return int(account), address, int(campaign) if campaign else None
     except (ValueError, binascii.Error):
         return None
-
-
-def unsubscribe_url(secret, base, account, address, campaign=None):
-    """The one-click unsubscribe link of ``address`` for the account's mail.
-
-    :param base: where the API is reachable (public_url or a batch's base_url).
-    """
-    return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
 
 
 #: Why an address is suppressed, weakest first: a stronger reason replaces a
@@ -5459,19 +5980,6 @@ def _bad_link_page(what):
         f"<p>This {what} link is not valid: it may be cut short or changed. Copy the whole "
         "link from the email into the address bar, or use the link of a newer email.</p>"),
         status=404)
-
-
-def email_unsubscribe_url(secret, base, campaign, recipient):
-    """The one-click unsubscribe link of a campaign's emails to one recipient:
-    opaque, it names the campaign and the recipient row (the address, the
-    account and the email that carried it are looked up), and it is the same
-    for every email of the campaign to that recipient, so a preview shows the
-    link the email will carry.
-
-    :param base: where the API is reachable (public_url or a batch's base_url).
-    """
-    token = sign_token(secret, "unsubscribe", campaign, recipient)
-    return f"{base.rstrip('/')}/v1/unsubscribe/{token}"
 
 
 _CAMPAIGN_EMAIL = (
@@ -6228,14 +6736,10 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
     values["confirm_url"] = confirm
     values["unsubscribe_url"] = unsubscribe_url(call.service.secret, call.base_url, account,
                                                 recipient["email"])
-    conn.execute(
-        "INSERT INTO outbox (account, kind, recipient, to_addr, subject, body, html, fromname, "
-        "fromaddress, replyto, created, next_try) VALUES (?, 'signup', ?, ?, ?, ?, ?, ?, ?, ?, "
-        "?, ?)", (account, recipient["id"], recipient["email"],
-                  _Template(message["subject"]).fill(values) or "(no subject)",
-                  _Template(message["text"]).fill(values) if message["text"] else "",
-                  _Template(message["html"]).fill(values, as_html=True) or None,
-                  sender["fromname"], sender["fromaddress"], sender["replyto"], _now(), _now()))
+    enqueue(conn, account, "signup", recipient["email"], recipient=recipient["id"],
+            subject=_Template(message["subject"]).fill(values) or "(no subject)",
+            body=_Template(message["text"]).fill(values) if message["text"] else "",
+            html=_Template(message["html"]).fill(values, as_html=True) or None, sender=sender)
 
 
 _CONFIRM_ROW = ("SELECT r.*, d.name AS list_name, d.owner, d.welcomemessage, d.fromprofile "
@@ -6431,252 +6935,6 @@ def read_token(secret, purpose, token):
             mac, hmac.digest(_purpose_key(secret, purpose), payload, "sha256")[:TOKEN_MAC_BYTES]):
         return None
     return _read_varints(payload)
-
-
-# Open and click tracking ----------------------------------------------------
-
-#: The merge tags track_html() puts in a message: the open image's URL and
-#: each tracked link's URL, filled per recipient by tracking_values().
-OPEN_URL_TAG = "open_url"
-CLICK_URL_TAG = "click_url_{}"
-_PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
-          'style="display:block;width:1px;height:1px;border:0;margin:0;padding:0">')
-#: A transparent 1x1 GIF89a (43 bytes), the answer of the open URL.
-GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
-             b"!\xf9\x04\x01\x00\x00\x00\x00"
-             b",\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;")
-# The parser's own patterns for a start tag's name and attributes (with a
-# copy for a Python that renames them): the spans they find are checked
-# against the attributes the parser reports, so the two cannot disagree.
-_TAG_NAME = getattr(html.parser, "tagfind_tolerant", None) or re.compile(
-    r"([a-zA-Z][^\t\n\r\f />\x00]*)(?:\s|/(?!>))*")
-_ATTRIBUTE = getattr(html.parser, "attrfind_tolerant", None) or re.compile(
-    r"((?<=[\'\"\s/])[^\s/>][^\s/=>]*)(\s*=+\s*(\'[^\']*\'|\"[^\"]*\"|(?![\'\"])[^>\s]*))?"
-    r"(?:\s|/(?!>))*")
-_URL_SPACE = re.compile(r"[\t\n\r]")  # browsers drop these inside a URL
-_URL_AUTHORITY = re.compile(r"(?i)https?://([^/?#\\]*)")
-
-
-class _LinkFinder(html.parser.HTMLParser):
-    """Where the links and the closing body tag are: (line, column) of each
-    ``<a href>`` start tag with its source text and href, and of the last
-    ``</body>``.  The parser knows comments, <script> and <style>, so a link
-    written inside them is not one."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.anchors, self.body_end = [], None
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "a":
-            self.anchors.append((self.getpos(), self.get_starttag_text(), attrs))
-
-    def handle_endtag(self, tag):
-        if tag == "body":
-            self.body_end = self.getpos()
-
-
-def _href_span(source, attrs):
-    """(start, end) of the first href value in a start tag's ``source``, quotes
-    included; None where our reading differs from the parser's ``attrs``."""
-    match = _TAG_NAME.match(source, 1)
-    if match is None:
-        return None
-    position, seen, span = match.end(), [], None
-    while position < len(source):
-        match = _ATTRIBUTE.match(source, position)
-        if match is None:
-            break
-        name, rest, value = match.group(1, 2, 3)
-        if not rest:
-            value = None
-        elif value[:1] in "'\"" and value[:1] == value[-1:] and len(value) > 1:
-            value = value[1:-1]
-        seen.append((name.lower(), html.unescape(value) if value else value))
-        if span is None and name.lower() == "href" and rest:
-            span = match.span(3)
-        position = match.end()
-    return span if seen == list(attrs) else None
-
-
-def _trackable(url):
-    """The link as a browser reads it, when it is one to track, else None.
-
-    Only http(s) URLs whose scheme and host are written out: a merge tag in
-    the host would let a recipient's data (a sign-up form is public) choose
-    where our click URL redirects."""
-    url = _URL_SPACE.sub("", url.strip(" \t\n\r\f"))
-    if "unsubscribe_url" in merge_tags(url):
-        return None
-    match = _URL_AUTHORITY.match(url)
-    if match is None or not match.group(1) or "{" in match.group(1) or "}" in match.group(1):
-        return None
-    return url
-
-
-def track_html(html_template):
-    """Prepare a message's html for open and click tracking, once per batch.
-
-    Every ``<a href>`` holding an http(s) URL gets the merge tag
-    ``{{click_url_N}}`` (N from 0, in document order) as its value, and an
-    open image ``<img src="{{open_url}}">`` goes before ``</body>`` (or at
-    the end).  The unsubscribe link, mailto:, tel:, anchors and links in
-    comments or scripts stay.  Nothing else changes: the edits are made by
-    source position, the document is not written out again.
-
-    :param html_template: the html with its merge tags still in it.
-    :returns: ``(html, links)``: the new template, and the URLs of the links
-        in tag order, entities decoded and merge tags kept, to be stored with
-        the batch and resolved at click time by click_target().
-    """
-    source = html_template or ""
-    finder = _LinkFinder()
-    end = len(source)
-    try:
-        finder.feed(source)
-        # What the parser keeps back is an unfinished tag, comment or
-        # character reference: the image goes before it, not into it.
-        end -= len(finder.rawdata)
-        finder.close()
-    except Exception:  # noqa: BLE001 - a parser bug must not stop a send
-        log.warning("html of a message could not be parsed for tracking; the links "
-                    "found before the error are tracked", exc_info=True)
-    line_starts = [0] + [match.end() for match in re.finditer("\n", source)]
-
-    def offset(position):
-        return line_starts[position[0] - 1] + position[1]
-
-    edits, links = [], []
-    for position, tag_source, attrs in finder.anchors:
-        start = offset(position)
-        href = next((value for name, value in attrs if name == "href"), None)
-        url = _trackable(href) if href else None
-        span = _href_span(tag_source, attrs) if url else None
-        if span is None or source[start:start + len(tag_source)] != tag_source:
-            continue
-        tag = "{{" + CLICK_URL_TAG.format(len(links)) + "}}"
-        edits.append((start + span[0], start + span[1], f'"{tag}"'))
-        links.append(url)
-    if finder.body_end:
-        end = min(end, offset(finder.body_end))
-    edits.append((end, end, _PIXEL))
-    out, done = [], 0
-    for begin, stop, text in edits:  # in source order: the pixel is after every link
-        out += (source[done:begin], text)
-        done = stop
-    out.append(source[done:])
-    return "".join(out), links
-
-
-def tracking_values(secret, base, email_id, link_count):
-    """The per-recipient values of the tags track_html() adds.
-
-    :param base: where the API is reachable (public_url or the batch's base_url).
-    :param email_id: the outbox row of this email.
-    :param link_count: ``len(links)`` of track_html().
-    """
-    base = base.rstrip("/")
-    values = {OPEN_URL_TAG: f"{base}/v1/open/{sign_token(secret, 'open', email_id)}"}
-    for index in range(link_count):
-        values[CLICK_URL_TAG.format(index)] = (
-            f"{base}/v1/click/{sign_token(secret, 'click', email_id, index)}")
-    return values
-
-
-def click_target(url, values):
-    """Where a click goes: a stored link (of track_html()) with the clicking
-    recipient's merge values, as the browser would have read the untracked
-    link (values as they are; spaces, quotes and non-ASCII percent-encoded),
-    so a valid Location header.  The host cannot depend on the values:
-    track_html() tracks no link with a merge tag before its path.
-
-    :param values: ``{name: str}`` of the recipient, names without case.
-    """
-    filled = _Template(url).fill({name.lower(): str(value) for name, value in values.items()})
-    return urllib.parse.quote(filled, safe="!#$%&'()*+,-./:;=?@[]_~")
-
-
-# CSS inlining ----------------------------------------------------------------
-
-def inline_css(html_text):
-    """The html with the rules of its ``<style>`` blocks moved into style
-    attributes (mail clients drop ``<style>``), once per message.
-
-    @media and other at-rules stay in a ``<style>`` block (only a block can
-    hold them); ``<link>`` stylesheets stay as written and are not fetched (no
-    network while sending).  Merge tags survive, also inside attributes.  A
-    document without ``<style>`` comes back as it is; one the inliner cannot
-    handle too, with a warning in the log.
-
-    :param html_text: an html document or fragment, merge tags still in it.
-    """
-    if not html_text or "<style" not in html_text.lower():
-        return html_text
-    try:
-        import css_inline
-    except ImportError:
-        log.warning("css-inline is not installed (pip install css-inline); <style> blocks "
-                    "are sent as they are")
-        return html_text
-    try:
-        return _css_inliner(css_inline).inline(html_text)
-    except Exception as error:  # noqa: BLE001 - any failure: send the html as written
-        log.warning("CSS could not be inlined (%s); the html is sent as written", error)
-        return html_text
-
-
-@functools.lru_cache(maxsize=1)
-def _css_inliner(css_inline):
-    return css_inline.CSSInliner(keep_at_rules=True, keep_link_tags=True,
-                                 load_remote_stylesheets=False)
-
-
-# Templates ---------------------------------------------------------------------
-
-CONTENT_TAG = "content"
-
-
-def _content_tags(body):
-    return [match for match in _MERGE_TAG.finditer(body or "")
-            if match.group(1).lower() == CONTENT_TAG]
-
-
-def check_template(html_body, text_body):
-    """Raise ValueError (a sentence for the author) unless each given body of
-    a template holds ``{{content}}`` exactly once.
-
-    :param html_body: the template's html, or '' / None when it has none.
-    :param text_body: the template's text, or '' / None.
-    """
-    for part, body in (("html", html_body), ("text", text_body)):
-        if body:
-            count = len(_content_tags(body))
-            if count != 1:
-                found = "does not have it" if not count else f"has it {count} times"
-                raise ValueError(
-                    f"The template's {part} must hold {{{{content}}}} exactly once, where the "
-                    f"message goes; it {found}.")
-
-
-def wrap_in_template(template_html, template_text, message_html, message_text):
-    """The message's bodies inside the template, at its ``{{content}}``.
-
-    A body exists where the message has it (the template is its layout); a
-    template without that body leaves it as it is.  Merge tags of both stay
-    tags, to be filled per recipient.  Returns ``(html, text)``.
-
-    :param template_html: the template's html ('' or None: none); checked
-        with check_template().
-    """
-    check_template(template_html, template_text)
-
-    def wrap(template, content):
-        if not content or not template:
-            return content or ""
-        tag = _content_tags(template)[0]
-        return template[:tag.start()] + content + template[tag.end():]
-
-    return wrap(template_html, message_html), wrap(template_text, message_text)
 
 
 # The archive page ----------------------------------------------------------------
@@ -7647,184 +7905,6 @@ def _shift(moment_text, seconds):
     return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
 
 
-# MIME: the fixed part of an email is encoded once by the email package; what
-# differs per recipient is joined to it as bytes (building a whole
-# EmailMessage costs more than sending it).  ------------------------------------
-
-_POLICY = email.policy.SMTP
-_LINE_BREAK = re.compile(r"[\r\n]+")
-_LONG_LINE = re.compile(rb"[^\n]{999}")
-
-
-def _header(name, value):
-    """One header line as bytes: encoded (RFC 2047) and folded when needed."""
-    value = _LINE_BREAK.sub(" ", str(value)).strip()
-    if value.isascii() and (len(name) + len(value) <= 76 or " " not in value):
-        return f"{name}: {value}\r\n".encode("ascii")
-    return _POLICY.header_factory(name, value).fold(policy=_POLICY).encode("ascii")
-
-
-def _address_header(name, display_name, address):
-    try:
-        value = str(email.headerregistry.Address(display_name=display_name, addr_spec=address))
-    except (ValueError, IndexError, email.errors.MessageError):
-        value = address
-    return _header(name, value)
-
-
-def _mime_part(content, subtype):
-    """A text/* part: 7bit when it is short-lined ASCII, else quoted-printable."""
-    if "\r" in content:
-        content = content.replace("\r\n", "\n").replace("\r", "\n")
-    data = content.encode("utf-8")
-    if not data.endswith(b"\n"):
-        data += b"\n"
-    if data.isascii() and not _LONG_LINE.search(data):
-        encoding = b"7bit"
-    else:
-        encoding, data = b"quoted-printable", binascii.b2a_qp(data, istext=True)
-    return (b"Content-Type: text/" + subtype + b'; charset="utf-8"\r\n'
-            b"Content-Transfer-Encoding: " + encoding + b"\r\n\r\n" + data.replace(b"\n", b"\r\n"))
-
-
-class _Template:
-    """A merge template split once into text and tag names; fill() gives what
-    the merge-tag rule asks, at a small cost, for recipient after recipient."""
-
-    def __init__(self, template):
-        pieces = _MERGE_TAG.split(template or "")
-        self.texts, self.names = pieces[0::2], [name.lower() for name in pieces[1::2]]
-
-    def fill(self, values, *, as_html=False):
-        """:param values: ``{lower-case name: str}``."""
-        if not self.names:
-            return self.texts[0]
-        if as_html:
-            values = {name: html.escape(values.get(name, ""), quote=True)
-                      for name in set(self.names)}
-        out = [self.texts[0]]
-        for name, text in zip(self.names, self.texts[1:]):
-            out += (values.get(name, ""), text)
-        return "".join(out)
-
-
-class _Literal(_Template):
-    """Text used as it is (a notification's body: braces are not tags)."""
-
-    def __init__(self, text):
-        self.texts, self.names = [text], []
-
-
-class Letter:
-    """One kind of email (a sender and a message's templates), ready to be
-    built for each recipient with build()."""
-
-    def __init__(self, sender, subject, text, html_body="", *, from_name="", reply_to="",
-                 list_id=None, templated=True):
-        """:param templated: fill merge tags from the values given to build()."""
-        self.sender = sender
-        self.domain = sender.rpartition("@")[2] or "localhost"
-        self.subject = _Template(subject) if templated and merge_tags(subject) else None
-        head = [_address_header("From", from_name, sender)]
-        if reply_to:
-            head.append(_address_header("Reply-To", "", reply_to))
-        if self.subject is None:
-            head.append(_header("Subject", subject))
-        if list_id:
-            head.append(_header("List-Id", list_id))
-        head.append(b"MIME-Version: 1.0\r\n")
-        self.head = b"".join(head)
-        if not text and not html_body:
-            text = " "
-        wrap = _Template if templated else _Literal
-        self.text = wrap(text) if text else None
-        self.html = wrap(html_body) if html_body else None
-        self.boundary = ("=_" + secrets.token_hex(16)).encode("ascii")
-
-    def build(self, to_addr, values=None, unsubscribe=None, message_id=None):
-        """The email to ``to_addr`` as bytes (RFC 5322, CRLF line ends).
-
-        :param values: merge values, ``{name: str}``; names without case.
-        :param message_id: the Message-ID (default: a new random one).
-        """
-        values = {name.lower(): str(value) for name, value in (values or {}).items()}
-        message_id = message_id or email.utils.make_msgid(domain=self.domain)
-        # A non-ASCII address goes out only over SMTPUTF8, whose headers are UTF-8 (RFC 6532).
-        to = _header("To", to_addr) if to_addr.isascii() else f"To: {to_addr}\r\n".encode()
-        head = [self.head, to, b"Date: ", email.utils.formatdate(usegmt=True).encode(),
-                b"\r\nMessage-ID: ", message_id.encode(), b"\r\n"]
-        if self.subject is not None:
-            head.append(_header("Subject", self.subject.fill(values)))
-        if unsubscribe:
-            head.append(_header("List-Unsubscribe", f"<{unsubscribe}>"))
-            head.append(b"List-Unsubscribe-Post: List-Unsubscribe=One-Click\r\n")
-        parts = []
-        if self.text:
-            parts.append(_mime_part(self.text.fill(values), b"plain"))
-        if self.html:
-            parts.append(_mime_part(self.html.fill(values, as_html=True), b"html"))
-        if len(parts) == 1:
-            return b"".join(head) + parts[0]
-        # The CRLF before a boundary belongs to the boundary (RFC 2046), so
-        # each part's own last line end is kept by a second one.
-        marker = b"--" + self.boundary
-        body = b"".join(marker + b"\r\n" + part + b"\r\n" for part in parts) + marker + b"--\r\n"
-        return (b"".join(head) + b'Content-Type: multipart/alternative; boundary="' + self.boundary
-                + b'"\r\n\r\n' + body)
-
-
-def campaign_sender(conn, campaign, message):
-    """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
-    message's own values where set, else the campaign's sender profile's.
-
-    :param campaign: ``{"owner", "accountprofile"}``: a profile of another
-        account is no profile, just as one that does not exist.
-    """
-    profile = conn.execute("SELECT fromname, fromaddress, replyto FROM accountprofile "
-                           "WHERE id = ? AND owner = ?",
-                           (campaign["accountprofile"], campaign["owner"])).fetchone()
-    profile = dict(profile) if profile else {}
-    return {name: message[name] or profile.get(name) or ""
-            for name in ("fromname", "fromaddress", "replyto")}
-
-
-def message_letter(conn, campaign, message, sent, base, mail_from):
-    """The Letter of one campaign message, as delivery, preview and test
-    sends all build it.
-
-    :param campaign: ``{"id", "owner", "accountprofile"}`` of the campaign.
-    :param message: the message row (for its sender).
-    :param sent: ``{"subject", "html", "text"}`` as the batch sends them
-        (prepare_message()).
-    :param base: where the API is reachable, for unsubscribe links ('' none).
-    :param mail_from: the sender when neither message nor profile has one.
-    """
-    sender = campaign_sender(conn, campaign, message)
-    letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
-                    sent["html"], from_name=sender["fromname"], reply_to=sender["replyto"],
-                    list_id=f"<campaign-{campaign['id']}.{campaign['owner']}.campaignapi>")
-    letter.campaign, letter.account = campaign["id"], campaign["owner"]
-    letter.base = (base or "").rstrip("/")
-    return letter
-
-
-def recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
-    """``(sender, email bytes)`` of a campaign Letter for one recipient: the
-    merge ``values`` with the unsubscribe link.
-
-    :param recipient: the recipient's id: the link names it and the campaign,
-        opaquely, so delivery and preview give the same link.  None (a test
-        send): the link names ``to_addr``, the tester, instead.
-    """
-    link = None
-    if letter.base and recipient is not None:
-        link = email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
-    elif letter.base:
-        link = unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
-    values["unsubscribe_url"] = link or ""
-    return letter.sender, letter.build(to_addr, values, link, message_id)
-
-
 def dkim_signer(domain, selector, private_key):
     """A function that prepends a DKIM-Signature to an email (needs dkimpy).
 
@@ -7943,12 +8023,13 @@ class _Courier:
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
                 f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts, fromname, fromaddress, replyto",
+                "html, attempts, fromname, fromaddress, replyto, campaign, base_url",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
         return rows
 
     def recipients(self, rows):
-        ids = [row["recipient"] for row in rows if row["kind"] == "campaign"]
+        ids = [row["recipient"] for row in rows
+               if row["kind"] in ("campaign", "test") and row["recipient"] is not None]
         if not ids:
             return {}
         marks = ", ".join("?" * len(ids))
@@ -8007,16 +8088,22 @@ class _Courier:
             # The content as the batch archived it when it was made, so an edit
             # of the message after the send changes no email still queued.
             sent_as = self.conn.execute(
-                "SELECT subject, html, text FROM batch_message WHERE batch = ? AND message = ?",
-                (batch_id, message_id)).fetchone() or message
+                "SELECT subject, html, text, tracked, (SELECT count(*) FROM batch_link l "
+                "WHERE l.batch = m.batch AND l.message = m.message) AS links "
+                "FROM batch_message m WHERE batch = ? AND message = ?",
+                (batch_id, message_id)).fetchone() or {**{name: message[name] for name in (
+                    "subject", "html", "text")}, "tracked": None}
             campaign = {"id": batch["campaign"], "owner": batch["owner"],
                         "accountprofile": batch["accountprofile"]}
             letter = message_letter(self.conn, campaign, message, sent_as,
                                     batch["base_url"] or self.run.public_url, self.run.mail_from)
-            letter.links = None  # tracked: how many links track_html() found
+            letter.links = None  # tracked: how many links the batch keeps
             if batch["tracking"] and letter.base and sent_as["html"]:
-                tracked, links = track_html(sent_as["html"])
-                letter.html, letter.links = _Template(tracked), len(links)
+                if sent_as["tracked"] is not None:   # prepared when the batch was made
+                    letter.html, letter.links = _Template(sent_as["tracked"]), sent_as["links"]
+                else:   # a batch made before version 5 kept only its links
+                    tracked, links = track_html(sent_as["html"])
+                    letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
         return letter
 
@@ -8028,6 +8115,8 @@ class _Courier:
 
     def build(self, row, recipients):
         """``(sender, email bytes)``, or None when the row must not be sent."""
+        if row["kind"] == "test":
+            return self.build_test(row, recipients.get(row["recipient"]))
         if row["kind"] != "campaign":
             # Ready-made: its sender, if any, is on the row (a sign-up's emails
             # go as the datasource's sender profile, a test send's as the campaign's).
@@ -8051,6 +8140,21 @@ class _Courier:
         if self.run.bounce_domain:
             sender = verp_address(self.run.secret, row["id"], self.run.bounce_domain)
         return sender, data
+
+    def build_test(self, row, recipient):
+        """A test send: its prepared message as its campaign sends it, with the
+        merge values of ``recipient`` (None: blank fields, {{email}} the
+        address).  The recipient's own unsubscribe link when the email goes
+        to them; a tester's names the tester."""
+        sent = {"subject": row["subject"] or "", "text": row["body"] or "",
+                "html": row["html"] or ""}
+        letter = _campaign_letter(row, sent, row["campaign"], row["account"],
+                                  row["base_url"] or self.run.public_url, self.run.mail_from)
+        values = {"email": row["to_addr"]} if recipient is None else recipient_values(
+            self.datasource_fields(recipient["datasource"]), recipient)
+        own = recipient is not None and recipient["email"] == row["to_addr"]
+        return recipient_email(letter, self.run.secret, row["to_addr"], values,
+                               recipient["id"] if own else None)
 
     # The SMTP side.
 

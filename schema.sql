@@ -240,12 +240,17 @@ CREATE TABLE IF NOT EXISTS batch_message (
     subject TEXT NOT NULL,
     html    TEXT NOT NULL,
     text    TEXT NOT NULL,
+    -- version 5: the html as a tracked batch sends it (track_html(), once per
+    -- batch): merge tags, {{open_url}} and {{click_url_N}} filled at delivery
+    tracked TEXT,
     PRIMARY KEY (batch, message)
 ) WITHOUT ROWID;
 
 -- The outbox: every email the service sends.  A campaign email names its
--- batch, message and recipient and is rendered at delivery; only other mail
--- (notifications, archive copies) carries its own subject and body.
+-- batch, message and recipient and is rendered at delivery from the batch's
+-- prepared message; a test send carries its prepared message (merge tags
+-- filled at delivery); other mail (notifications, archive copies, sign-up
+-- emails) carries its ready subject and body.
 -- Status: queued -> sending (claimed by a worker) -> sent | failed, back to
 -- queued for a retry; 'skipped' when the recipient unsubscribed, bounced or
 -- was removed between queueing and delivery.
@@ -280,7 +285,11 @@ CREATE TABLE IF NOT EXISTS outbox (
     -- test send), from a sender profile; empty: the worker's --mail-from.
     fromname    TEXT,
     fromaddress TEXT,
-    replyto     TEXT
+    replyto     TEXT,
+    -- version 5: a test send names its campaign (the List-Id and the
+    -- unsubscribe link it carries) and where its links point, without a batch
+    campaign    INTEGER,
+    base_url    TEXT
 );
 -- A batch never queues one address twice, even when the worker runs again
 -- after a crash.

@@ -385,7 +385,7 @@ def test_bad_test_sends_are_400_and_change_nothing(tapi, shop, db, params, code,
     assert snapshot(db) == before
 
 
-def test_a_test_send_of_an_email_that_cannot_be_built_is_refused(tapi, shop, db):
+def test_a_test_send_of_an_email_that_cannot_be_built_is_refused(tapi, shop, db, smtp_sink):
     tapi.post(f"/message/{shop['message']}", subject=" ")
     data = tapi.put(f"/campaign/{shop['campaign']}/send/0", status=409, test=["qa@example.net"])
     assert data["error"] == "verification_failed"
@@ -394,7 +394,7 @@ def test_a_test_send_of_an_email_that_cannot_be_built_is_refused(tapi, shop, db)
     tapi.post(f"/segment/{shop['segment']}", conditions=[
         {"field": "first", "op": "eq", "value": "Nobody"}])
     assert tapi.put(f"/campaign/{shop['campaign']}/send/0", test=["qa@example.net"])["id"] == "0"
-    assert scalar(db, "SELECT subject FROM outbox WHERE kind = 'test'") == "[Test] Hello"
+    assert deliver(db, smtp_sink)["qa@example.net"]["Subject"] == "[Test] Hello"
 
 
 def test_the_command_line_refuses_a_templates_dir_that_is_no_folder(tmp_path, capsys):
