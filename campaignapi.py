@@ -1138,6 +1138,245 @@ def _now():
 
 
 # ---------------------------------------------------------------------------
+# Signing and tokens: the app secret, the one key derivation from it, and every
+# kind of signed thing made with it (tracking, unsubscribe and confirm tokens,
+# VERP addresses, Message-IDs, erasure hashes), each made and read here.
+# ---------------------------------------------------------------------------
+
+def _stored_secret(conn, create=True):
+    """The secret kept in the database, made on first use (unless not ``create``: None)."""
+    row = conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()
+    if row or not create:
+        return row and row["value"]
+    with transaction(conn):
+        conn.execute("INSERT INTO setting (name, value) VALUES ('secret', ?) "
+                     "ON CONFLICT DO NOTHING", (secrets.token_hex(32),))
+    return conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()["value"]
+
+
+def _b64(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text):
+    """Bytes of unpadded base64url text; ValueError unless the text is the one
+    canonical spelling (b64decode skips stray characters, and the unused low
+    bits of the last character would let one token have several spellings)."""
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
+
+
+# The key derivation ----------------------------------------------------------
+
+#: An opaque token's purpose ('open', 'click', 'unsubscribe', 'confirm') has a
+#: key of its own, HMAC-SHA256(secret, this label + purpose).
+_TOKEN_KEY_LABEL = b"campaignapi token key:"
+#: The kinds signed before the opaque tokens came, keyed by the secret itself
+#: and told apart by the label their message starts with: an unsubscribe token
+#: of the first release (it names the address), a VERP address and a
+#: Message-ID (one mac for both: they name the same outbox email), an erased
+#: address.  Both schemes stay exactly as released, or every link, address and
+#: Message-ID already sent would stop working (tests/test_signing.py pins them).
+_SECRET_KEYED = {"unsubscribe address": b"unsubscribe:", "verp": b"verp:", "erasure": b""}
+
+
+@functools.lru_cache(maxsize=32)
+def _purpose_key(secret, purpose):
+    """The key of ``purpose``, derived from the app secret (str or bytes): one
+    key per token purpose, so a click token can never pass as an unsubscribe
+    token whatever numbers they hold; the secret itself for _SECRET_KEYED."""
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if purpose in _SECRET_KEYED:
+        return secret
+    return hmac.digest(secret, _TOKEN_KEY_LABEL + purpose.encode("utf-8"), "sha256")
+
+
+def _mac(secret, purpose, message):
+    """HMAC-SHA256 of ``message`` for ``purpose``: the one MAC of every signed thing."""
+    if not isinstance(secret, (str, bytes)):
+        secret = bytes(secret)  # a bytearray or memoryview: hashable for the key cache
+    return hmac.digest(_purpose_key(secret, purpose),
+                       _SECRET_KEYED.get(purpose, b"") + message, "sha256")
+
+
+# Opaque tokens: open, click, unsubscribe, confirm ----------------------------
+
+#: 96 bits of HMAC-SHA256: unforgeable by guessing, and a short link.
+TOKEN_MAC_BYTES = 12
+#: Longer text is refused unread (a token holds a few small numbers).
+TOKEN_MAX_CHARS = 200
+
+
+def _varints(numbers):
+    out = bytearray()
+    for number in numbers:
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            raise ValueError(f"a token holds non-negative integers, not {number!r}")
+        while number > 0x7F:
+            out.append(number & 0x7F | 0x80)
+            number >>= 7
+        out.append(number)
+    return bytes(out)
+
+
+def _read_varints(data):
+    """The numbers of ``data``, or None unless each has its shortest spelling."""
+    numbers, number, shift = [], 0, 0
+    for byte in data:
+        number |= (byte & 0x7F) << shift
+        if byte & 0x80:
+            shift += 7
+        elif byte == 0 and shift:
+            return None  # a needless zero group: a second spelling of a number
+        else:
+            numbers.append(number)
+            number = shift = 0
+    return None if shift else tuple(numbers)
+
+
+def sign_token(secret, purpose, *numbers):
+    """A short, opaque, signed token holding ``numbers`` for one ``purpose``.
+
+    The numbers are packed as varints and followed by a truncated
+    HMAC-SHA256 under a key of the purpose; the whole is base64url without
+    padding (an outbox id and a link index: about 22 characters).  Nothing
+    personal goes in: a token names rows, the database knows the rest.  The
+    numbers are signed, not encrypted: readable with effort, never changed.
+
+    :param secret: the service secret (str or bytes).
+    :param purpose: what the token is for: 'open' (the outbox id), 'click'
+        (the outbox id, the link's index), 'unsubscribe' (the campaign, the
+        recipient), 'confirm' (the recipient, the last day it works); a token
+        read for another purpose is refused.
+    :param numbers: non-negative ints (ids, a link index, an expiry day).
+    """
+    if purpose in _SECRET_KEYED:
+        raise ValueError(f"{purpose!r} is not a purpose of opaque tokens")
+    payload = _varints(numbers)
+    return _b64(payload + _mac(secret, purpose, payload)[:TOKEN_MAC_BYTES])
+
+
+def read_token(secret, purpose, token):
+    """The numbers of a token that sign_token() made for ``purpose``, or None
+    for anything else (forged, altered, spelled differently, another purpose,
+    not a string): never an exception, as tokens come from the public.
+
+    :param token: the text from the URL.
+    """
+    if not isinstance(token, str) or len(token) > TOKEN_MAX_CHARS or purpose in _SECRET_KEYED:
+        return None
+    try:
+        data = _unb64(token)
+    except (ValueError, binascii.Error):
+        return None
+    payload, mac = data[:-TOKEN_MAC_BYTES], data[-TOKEN_MAC_BYTES:]
+    if len(mac) != TOKEN_MAC_BYTES or not hmac.compare_digest(
+            mac, _mac(secret, purpose, payload)[:TOKEN_MAC_BYTES]):
+        return None
+    return _read_varints(payload)
+
+
+# Unsubscribe tokens of the first release: they name the address --------------
+
+def _address_token_mac(secret, payload):
+    # 128 bits of HMAC-SHA256 keep the link short and still unforgeable.
+    return _mac(secret, "unsubscribe address", payload)[:16]
+
+
+def unsubscribe_token(secret, account, address, campaign=None):
+    """A token naming ``address`` of ``account`` (and the campaign that mailed
+    it), signed with ``secret``: base64url(payload) "." base64url(mac)."""
+    payload = f"{account}:{campaign or ''}:{address}".encode("utf-8")
+    return f"{_b64(payload)}.{_b64(_address_token_mac(secret, payload))}"
+
+
+def read_unsubscribe_token(secret, token):
+    """``(account, address, campaign or None)`` of a token we signed, else None."""
+    try:
+        payload_text, mac_text = token.split(".")
+        payload, mac = _unb64(payload_text), _unb64(mac_text)
+        if not hmac.compare_digest(mac, _address_token_mac(secret, payload)):
+            return None
+        account, campaign, address = payload.decode("utf-8").split(":", 2)
+        return int(account), address, int(campaign) if campaign else None
+    except (ValueError, binascii.Error):
+        return None
+
+
+# VERP addresses and Message-IDs: they name one outbox email ------------------
+
+# VERP: bounces+{outbox id}-{mac}@domain.  The mac is 80 bits of HMAC-SHA256
+# in lower-case base32 (16 characters), so mail systems that fold the case of
+# local parts cannot break it, and the address stays far below 64 characters.
+_VERP_LOCAL = re.compile(r"bounces\+(0|[1-9][0-9]{0,18})-([a-z2-7]{16})")
+_VERP_IN_TEXT = re.compile(r"bounces\+[0-9]{1,19}-[a-z2-7]{16}@[^\s<>\"',;]+", re.IGNORECASE)
+_OUR_MESSAGE_ID = re.compile(r"<?(0|[1-9][0-9]{0,18})\.([a-z2-7]{16})@[^<>\s]+>?")
+
+
+def _verp_mac(secret, outbox_text):
+    digest = _mac(secret, "verp", outbox_text.encode("ascii"))
+    return base64.b32encode(digest[:10]).decode("ascii").lower()
+
+
+def verp_address(secret, outbox_id, bounce_domain):
+    """The envelope sender of one campaign email: ``bounces+TOKEN@bounce_domain``,
+    where TOKEN names the outbox email and is signed with ``secret``.
+
+    :param secret: the service's signing secret (str or bytes).
+    :param outbox_id: the id of the outbox row the email is sent from.
+    :param bounce_domain: the domain whose mail reaches the bounce mailbox.
+    """
+    if isinstance(outbox_id, bool) or not isinstance(outbox_id, int) or not 0 <= outbox_id <= MAX_ID:
+        raise ValueError(f"an outbox id is an integer from 0 to {MAX_ID}, not {outbox_id!r}")
+    return f"bounces+{outbox_id}-{_verp_mac(secret, str(outbox_id))}@{bounce_domain}"
+
+
+def read_verp(secret, address):
+    """The outbox id named by a VERP address that ``secret`` signed, else None.
+
+    :param address: the address as found in a header: with or without angle
+        brackets and a display name; the local part in any case.
+    """
+    if not isinstance(address, str):
+        return None
+    local = email.utils.parseaddr(address)[1].rpartition("@")[0].lower()
+    match = _VERP_LOCAL.fullmatch(local)
+    if match is None or int(match[1]) > MAX_ID:
+        return None
+    if not hmac.compare_digest(match[2], _verp_mac(secret, match[1])):
+        return None
+    return int(match[1])
+
+
+def message_id_for(secret, outbox_id, domain):
+    """The Message-ID of one outbox email: ``<ID.MAC@domain>``, signed like
+    its VERP address, so a report that quotes it names the email without VERP.
+
+    :param domain: the sender's domain.
+    """
+    return f"<{outbox_id}.{_verp_mac(secret, str(outbox_id))}@{domain}>"
+
+
+def read_message_id(secret, value):
+    """The outbox id a Message-ID made by message_id_for() names, else None."""
+    match = _OUR_MESSAGE_ID.fullmatch(value.strip().lower()) if isinstance(value, str) else None
+    if match is None or int(match[1]) > MAX_ID:
+        return None
+    return int(match[1]) if hmac.compare_digest(match[2], _verp_mac(secret, match[1])) else None
+
+
+# Erased addresses ------------------------------------------------------------
+
+def erasure_hash(secret, address):
+    """The one-way form of an erased address: HMAC-SHA256 under the app
+    secret of the address lower-cased, so the table alone names nobody."""
+    return _mac(secret, "erasure", address.lower().encode("utf-8")).hex()
+
+
+# ---------------------------------------------------------------------------
 # Auth: accounts and API keys.  Plain functions; the pipeline calls them.
 # ---------------------------------------------------------------------------
 
@@ -2093,17 +2332,6 @@ class Service:
 def _internal_error(response_id):
     return ApiError(f"Something went wrong on our side; quote responseId {response_id} when "
                     "reporting it.")
-
-
-def _stored_secret(conn, create=True):
-    """The secret kept in the database, made on first use (unless not ``create``: None)."""
-    row = conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()
-    if row or not create:
-        return row and row["value"]
-    with transaction(conn):
-        conn.execute("INSERT INTO setting (name, value) VALUES ('secret', ?) "
-                     "ON CONFLICT DO NOTHING", (secrets.token_hex(32),))
-    return conn.execute("SELECT value FROM setting WHERE name = 'secret'").fetchone()["value"]
 
 
 # ---------------------------------------------------------------------------
@@ -3329,13 +3557,6 @@ def _recipient_record(call, row):
     return {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"],
             "fields": values, "status": row["status"], "created": row["created"],
             "updated": row["updated"]}
-
-
-def erasure_hash(secret, address):
-    """The one-way form of an erased address: HMAC-SHA256 under the app
-    secret of the address lower-cased, so the table alone names nobody."""
-    return hmac.new(secret.encode("utf-8") if isinstance(secret, str) else secret,
-                    address.lower().encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 def blocked_status(conn, secret, account, address):
@@ -5866,43 +6087,6 @@ def _test_send(call, child_id, addresses):
 # no key needed)
 # ---------------------------------------------------------------------------
 
-def _b64(data):
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text):
-    """Bytes of unpadded base64url text; ValueError unless the text is the one
-    canonical spelling (b64decode skips stray characters, and the unused low
-    bits of the last character would let one token have several spellings)."""
-    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    if _b64(data) != text:
-        raise ValueError("not canonical base64url")
-    return data
-
-
-def _token_mac(secret, payload):
-    # 128 bits of HMAC-SHA256 keep the link short and still unforgeable.
-    return hmac.new(secret.encode("utf-8"), b"unsubscribe:" + payload, hashlib.sha256).digest()[:16]
-
-
-def unsubscribe_token(secret, account, address, campaign=None):
-    """A token naming ``address`` of ``account`` (and the campaign that mailed
-    it), signed with ``secret``: base64url(payload) "." base64url(mac)."""
-    payload = f"{account}:{campaign or ''}:{address}".encode("utf-8")
-    return f"{_b64(payload)}.{_b64(_token_mac(secret, payload))}"
-
-
-def read_unsubscribe_token(secret, token):
-    """``(account, address, campaign or None)`` of a token we signed, else None."""
-    try:
-        payload_text, mac_text = token.split(".")
-        payload, mac = _unb64(payload_text), _unb64(mac_text)
-        if not hmac.compare_digest(mac, _token_mac(secret, payload)):
-            return None
-        account, campaign, address = payload.decode("utf-8").split(":", 2)
-        return int(account), address, int(campaign) if campaign else None
-    except (ValueError, binascii.Error):
-        return None
 
 
 #: Why an address is suppressed, weakest first: a stronger reason replaces a
@@ -6848,93 +7032,12 @@ def remove_unconfirmed(db, limit=1000):
 
 
 # ---------------------------------------------------------------------------
-# Tracking and rendering helpers: signed tokens, the tracking rewrite, CSS
-# inlining, template wrapping, the archive page.  Each message is prepared
+# Tracking and rendering helpers: the tracking rewrite, CSS inlining,
+# template wrapping, the archive page.  Each message is prepared
 # once per batch (wrap, inline, track); per recipient only merge values and
 # tokens are filled by _Template.
 # ---------------------------------------------------------------------------
 
-# Opaque tokens -------------------------------------------------------------
-
-#: 96 bits of HMAC-SHA256: unforgeable by guessing, and a short link.
-TOKEN_MAC_BYTES = 12
-#: Longer text is refused unread (a token holds a few small numbers).
-TOKEN_MAX_CHARS = 200
-
-
-@functools.lru_cache(maxsize=32)
-def _purpose_key(secret, purpose):
-    # One key per purpose, derived from the secret: a click token can never
-    # pass as an unsubscribe token, whatever numbers they hold.
-    if isinstance(secret, str):
-        secret = secret.encode("utf-8")
-    return hmac.digest(secret, b"campaignapi token key:" + purpose.encode("utf-8"), "sha256")
-
-
-def _varints(numbers):
-    out = bytearray()
-    for number in numbers:
-        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
-            raise ValueError(f"a token holds non-negative integers, not {number!r}")
-        while number > 0x7F:
-            out.append(number & 0x7F | 0x80)
-            number >>= 7
-        out.append(number)
-    return bytes(out)
-
-
-def _read_varints(data):
-    """The numbers of ``data``, or None unless each has its shortest spelling."""
-    numbers, number, shift = [], 0, 0
-    for byte in data:
-        number |= (byte & 0x7F) << shift
-        if byte & 0x80:
-            shift += 7
-        elif byte == 0 and shift:
-            return None  # a needless zero group: a second spelling of a number
-        else:
-            numbers.append(number)
-            number = shift = 0
-    return None if shift else tuple(numbers)
-
-
-def sign_token(secret, purpose, *numbers):
-    """A short, opaque, signed token holding ``numbers`` for one ``purpose``.
-
-    The numbers are packed as varints and followed by a truncated
-    HMAC-SHA256 under a key of the purpose; the whole is base64url without
-    padding (an outbox id and a link index: about 22 characters).  Nothing
-    personal goes in: a token names rows, the database knows the rest.  The
-    numbers are signed, not encrypted: readable with effort, never changed.
-
-    :param secret: the service secret (str or bytes).
-    :param purpose: what the token is for: 'open', 'click', 'unsubscribe',
-        'confirm'; a token read for another purpose is refused.
-    :param numbers: non-negative ints (ids, a link index, an expiry day).
-    """
-    payload = _varints(numbers)
-    return _b64(payload + hmac.digest(_purpose_key(secret, purpose), payload,
-                                      "sha256")[:TOKEN_MAC_BYTES])
-
-
-def read_token(secret, purpose, token):
-    """The numbers of a token that sign_token() made for ``purpose``, or None
-    for anything else (forged, altered, spelled differently, another purpose,
-    not a string): never an exception, as tokens come from the public.
-
-    :param token: the text from the URL.
-    """
-    if not isinstance(token, str) or len(token) > TOKEN_MAX_CHARS:
-        return None
-    try:
-        data = _unb64(token)
-    except (ValueError, binascii.Error):
-        return None
-    payload, mac = data[:-TOKEN_MAC_BYTES], data[-TOKEN_MAC_BYTES:]
-    if len(mac) != TOKEN_MAC_BYTES or not hmac.compare_digest(
-            mac, hmac.digest(_purpose_key(secret, purpose), payload, "sha256")[:TOKEN_MAC_BYTES]):
-        return None
-    return _read_varints(payload)
 
 
 # The archive page ----------------------------------------------------------------
@@ -7095,7 +7198,7 @@ def archive_page(archive_record, title):
 
 
 # ---------------------------------------------------------------------------
-# Inbound mail: VERP addresses, reading bounces and complaints, the bounce mailbox
+# Inbound mail: reading bounces and complaints, the bounce mailbox
 # ---------------------------------------------------------------------------
 
 #: What classify_bounce() answers in "type".
@@ -7113,49 +7216,6 @@ BOUNCE_SCAN_BYTES = 16 * 1024
 BOUNCE_MAX_CONTAINERS, BOUNCE_MAX_DELIMITERS = 20, 300
 #: A bounce mailbox run reads at most this many messages, each at most this big.
 MAILBOX_MAX_MESSAGES, MAILBOX_MAX_BYTES = 1000, 10 * 1024 * 1024
-
-# VERP: bounces+{outbox id}-{mac}@domain.  The mac is 80 bits of HMAC-SHA256
-# in lower-case base32 (16 characters), so mail systems that fold the case of
-# local parts cannot break it, and the address stays far below 64 characters.
-_VERP_LOCAL = re.compile(r"bounces\+(0|[1-9][0-9]{0,18})-([a-z2-7]{16})")
-_VERP_IN_TEXT = re.compile(r"bounces\+[0-9]{1,19}-[a-z2-7]{16}@[^\s<>\"',;]+", re.IGNORECASE)
-
-
-def _verp_mac(secret, outbox_text):
-    key = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
-    digest = hmac.new(key, b"verp:" + outbox_text.encode("ascii"), hashlib.sha256).digest()
-    return base64.b32encode(digest[:10]).decode("ascii").lower()
-
-
-def verp_address(secret, outbox_id, bounce_domain):
-    """The envelope sender of one campaign email: ``bounces+TOKEN@bounce_domain``,
-    where TOKEN names the outbox email and is signed with ``secret``.
-
-    :param secret: the service's signing secret (str or bytes).
-    :param outbox_id: the id of the outbox row the email is sent from.
-    :param bounce_domain: the domain whose mail reaches the bounce mailbox.
-    """
-    if isinstance(outbox_id, bool) or not isinstance(outbox_id, int) or not 0 <= outbox_id <= MAX_ID:
-        raise ValueError(f"an outbox id is an integer from 0 to {MAX_ID}, not {outbox_id!r}")
-    return f"bounces+{outbox_id}-{_verp_mac(secret, str(outbox_id))}@{bounce_domain}"
-
-
-def read_verp(secret, address):
-    """The outbox id named by a VERP address that ``secret`` signed, else None.
-
-    :param address: the address as found in a header: with or without angle
-        brackets and a display name; the local part in any case.
-    """
-    if not isinstance(address, str):
-        return None
-    local = email.utils.parseaddr(address)[1].rpartition("@")[0].lower()
-    match = _VERP_LOCAL.fullmatch(local)
-    if match is None or int(match[1]) > MAX_ID:
-        return None
-    if not hmac.compare_digest(match[2], _verp_mac(secret, match[1])):
-        return None
-    return int(match[1])
-
 
 # Headers of a bounce that carry the address it was sent to (the VERP address
 # when it came back to our envelope sender), most specific first.
@@ -7608,24 +7668,6 @@ BOUNCE_WINDOW_DAYS = 30
 BOUNCE_MAX_BODY = 2 * 1024 * 1024
 #: Seconds between two reads of the bounce mailbox by the worker.
 MAILBOX_INTERVAL = 60
-_OUR_MESSAGE_ID = re.compile(r"<?(0|[1-9][0-9]{0,18})\.([a-z2-7]{16})@[^<>\s]+>?")
-
-
-def message_id_for(secret, outbox_id, domain):
-    """The Message-ID of one outbox email: ``<ID.MAC@domain>``, signed like
-    its VERP address, so a report that quotes it names the email without VERP.
-
-    :param domain: the sender's domain.
-    """
-    return f"<{outbox_id}.{_verp_mac(secret, str(outbox_id))}@{domain}>"
-
-
-def read_message_id(secret, value):
-    """The outbox id a Message-ID made by message_id_for() names, else None."""
-    match = _OUR_MESSAGE_ID.fullmatch(value.strip().lower()) if isinstance(value, str) else None
-    if match is None or int(match[1]) > MAX_ID:
-        return None
-    return int(match[1]) if hmac.compare_digest(match[2], _verp_mac(secret, match[1])) else None
 
 
 def _bounce_targets(conn, report, account, secret):
