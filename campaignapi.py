@@ -813,9 +813,13 @@ BEGIN
         EXIT WHEN top IS NULL;
         last := top;
     END LOOP;
-    IF last > start THEN
-        PERFORM setval(TG_ARGV[0]::regclass, last);
-    END IF;
+    -- Forward by nextval() alone, never setval(): each statement here sees
+    -- rows committed since start was read, so the sequence may already stand
+    -- past last, under ids other sessions hold unseen; a setval() would move
+    -- it back under them (a duplicate key for one of them).
+    WHILE last > start LOOP
+        start := nextval(TG_ARGV[0]::regclass);
+    END LOOP;
     RETURN NULL;
 END $$;
 -- The child's side of a foreign key (TG_ARGV: column, parent table): every
@@ -1026,7 +1030,7 @@ DROP FUNCTION IF EXISTS campaignapi_id_past() CASCADE;
     (5, {"sqlite": lambda conn: _sqlite_add_columns(conn, (
         ("batch_message", "tracked TEXT"), ("outbox", "campaign INTEGER"),
         ("outbox", "base_url TEXT"))), "postgresql": """
-ALTER TABLE batch_message ADD COLUMN tracked TEXT;
+ALTER TABLE batch_message ADD COLUMN IF NOT EXISTS tracked TEXT;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
 """}),

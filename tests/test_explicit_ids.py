@@ -259,3 +259,32 @@ def test_concurrent_creates_on_two_servers_never_meet_a_taken_id(db):
                if record_id == 0), answers
     stored = {row[0] for row in database_rows(db, "SELECT id FROM message")}
     assert set(made) == stored
+
+
+def test_ids_taken_by_many_sessions_at_once_are_never_handed_out_twice(engine_db):
+    """Inserts at default ids from six sessions at once, each its own
+    transaction, as public writes and imports do.  On PostgreSQL the id
+    trigger once read the sequence, then found rows other sessions committed
+    meanwhile (each statement of a function sees a new snapshot) and moved
+    the sequence back to them with setval(), under ids a third session had
+    already taken: a duplicate key for that session."""
+    campaignapi.init_db(engine_db)
+    failures, lock = [], threading.Lock()
+
+    def session(number):
+        conn = campaignapi.connect(engine_db)
+        try:
+            for n in range(150):
+                try:
+                    with campaignapi.transaction(conn):
+                        conn.execute("INSERT INTO account (email) VALUES (?)",
+                                     (f"s{number}-{n}@example.com",))
+                except Exception as error:   # noqa: BLE001 (counted: the test's finding)
+                    with lock:
+                        failures.append(repr(error))
+        finally:
+            conn.close()
+
+    in_threads(session, range(6), timeout=120)
+    assert failures == []
+    assert scalar(engine_db, "SELECT count(DISTINCT id) FROM account") == 6 * 150
