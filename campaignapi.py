@@ -7648,7 +7648,7 @@ def _bounce_sendgrid(call):
 
 
 # ---------------------------------------------------------------------------
-# Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
+# Delivery: MIME, SMTP, DKIM, unsubscribe
 # ---------------------------------------------------------------------------
 
 #: A claim is a lease: a live worker renews it (claimed_at) every CLAIM_RENEW
@@ -8429,86 +8429,6 @@ def _run_couriers(couriers):
             thread.join()
         if failures:
             raise failures[0]
-
-
-# The worker ------------------------------------------------------------------
-
-def _repeat(stop, interval, step, name):
-    """Run ``step()`` until ``stop`` is set: again at once while it reports
-    work, else after ``interval`` seconds (longer after failures)."""
-    failures = 0
-    while not stop.is_set():
-        try:
-            busy = step()
-            failures = 0
-        except Exception as error:
-            failures += 1
-            busy = False
-            if isinstance(error, OSError):
-                log.warning("%s: %s", name, error)
-            else:
-                log.exception("%s failed", name)
-        if not busy:
-            stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
-
-
-def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
-               webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
-    """The background work, until ``stop_event`` is set: make due batches
-    (process_due), post stored events to webhooks (deliver_webhooks) and,
-    when ``smtp`` is given, deliver the outbox (deliver() with ``delivery``
-    options).  Without SMTP the outbox fills and waits.
-
-    :param interval: seconds between looks for due work when idle.
-    :param on_event: the application's callback for the events the worker
-        raises (batch.started, batch.sent, recipient.bounced), called after
-        their commit.  Only a worker thread in the application's own process
-        can call it: a worker started as its own process (``campaignapi.py
-        worker``) has no callback, and services learn of those events by webhook.
-    :param webhook_allow_private: the setting of that name.
-    :param templates_dir: where template files named by defaulttemplate are.
-    :param bounce_mailbox: process_bounce_mailbox() keyword arguments
-        (``imap``, ``user``, ``password``, ...): the mailbox is read every
-        MAILBOX_INTERVAL seconds.
-    """
-    def make_batches():
-        # Unconfirmed sign-ups expire here too: a bounded delete per round.
-        return process_due(db, on_event=on_event, templates_dir=templates_dir) \
-            + remove_unconfirmed(db) > 0
-
-    def deliver_events():
-        counts = deliver_webhooks(db, allow_private=webhook_allow_private, stop=stop_event)
-        if any(counts.values()):
-            log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
-        return any(counts.values())
-
-    def deliver_outbox():
-        counts = deliver(db, smtp, stop=stop_event, on_event=on_event, **delivery)
-        if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
-            log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
-                                                if v and k != "error"))
-        if counts["error"]:
-            raise ConnectionError(counts["error"])
-        return counts["sent"] + counts["failed"] + counts["retried"] > 0
-
-    def read_bounces():
-        try:
-            process_bounce_mailbox(db, **bounce_mailbox)
-        except MailboxError as error:   # a line, not a traceback, each minute it lasts
-            log.warning("bounce mailbox: %s", error)
-        return False
-
-    steps = [("batches", make_batches, interval), ("webhooks", deliver_events, interval)]
-    steps += [("delivery", deliver_outbox, interval)] if smtp else []
-    steps += [("bounces", read_bounces, MAILBOX_INTERVAL)] if bounce_mailbox else []
-    threads = [threading.Thread(target=_repeat, args=(stop_event, every, step, name),
-                                name=f"campaignapi-{name}", daemon=True)
-               for name, step, every in steps]
-    for thread in threads:
-        thread.start()
-    while any(thread.is_alive() for thread in threads):
-        for thread in threads:
-            thread.join(0.5)
 
 
 # ---------------------------------------------------------------------------
@@ -9537,6 +9457,150 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
                              "failures = failures + ? WHERE id = ?",
                              (attempted, error, int(state == "failed"), row["webhook"]))
                 counts[counted] += 1
+
+
+# ---------------------------------------------------------------------------
+# The worker: every kind of due work is one step in WORKER_STEPS; each thread
+# of the worker runs its steps again at once while they find work, else after
+# its interval.
+# ---------------------------------------------------------------------------
+
+class _Worker:
+    """The settings one run_worker() runs its steps with (see there)."""
+
+    def __init__(self, db, stop_event, smtp, interval, on_event, webhook_allow_private,
+                 templates_dir, bounce_mailbox, delivery):
+        self.db, self.stop_event, self.smtp, self.interval = db, stop_event, smtp, interval
+        self.on_event, self.webhook_allow_private = on_event, webhook_allow_private
+        self.templates_dir, self.bounce_mailbox, self.delivery = \
+            templates_dir, bounce_mailbox, delivery
+
+
+def _make_due_batches(worker):
+    return process_due(worker.db, on_event=worker.on_event,
+                       templates_dir=worker.templates_dir) > 0
+
+
+def _purge_unconfirmed(worker):
+    # A bounded delete per round.
+    return remove_unconfirmed(worker.db) > 0
+
+
+def _deliver_events(worker):
+    counts = deliver_webhooks(worker.db, allow_private=worker.webhook_allow_private,
+                              stop=worker.stop_event)
+    if any(counts.values()):
+        log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    return any(counts.values())
+
+
+def _deliver_outbox(worker):
+    counts = deliver(worker.db, worker.smtp, stop=worker.stop_event, on_event=worker.on_event,
+                     **worker.delivery)
+    if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
+        log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
+                                            if v and k != "error"))
+    if counts["error"]:
+        raise ConnectionError(counts["error"])
+    return counts["sent"] + counts["failed"] + counts["retried"] > 0
+
+
+def _read_bounces(worker):
+    try:
+        process_bounce_mailbox(worker.db, **worker.bounce_mailbox)
+    except MailboxError as error:   # a line, not a traceback, each minute it lasts
+        log.warning("bounce mailbox: %s", error)
+    return False
+
+
+class _Step:
+    """One kind of due work of the worker.
+
+    :param thread: the worker thread that runs it (named ``campaignapi-<thread>``):
+        the steps of one thread run in list order each round, and the round
+        found work when one of them did.
+    :param run: ``run(worker)`` does one round of the work; true when it found some.
+    :param needs: the run_worker() setting without which the step is left out.
+    :param every: seconds between rounds when idle; None: the worker's
+        interval.  The first step of a thread sets it for the thread.
+    """
+
+    def __init__(self, thread, run, needs=None, every=None):
+        self.thread, self.run, self.needs, self.every = thread, run, needs, every
+
+
+#: The worker's due work: a new kind of due work is one more entry.  Threads
+#: start in the order they first appear.
+WORKER_STEPS = (
+    _Step("batches", _make_due_batches),
+    _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
+    _Step("webhooks", _deliver_events),
+    _Step("delivery", _deliver_outbox, needs="smtp"),
+    _Step("bounces", _read_bounces, needs="bounce_mailbox", every=MAILBOX_INTERVAL),
+)
+
+
+def _repeat(stop, interval, step, name):
+    """Run ``step()`` until ``stop`` is set: again at once while it reports
+    work, else after ``interval`` seconds (longer after failures)."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            busy = step()
+            failures = 0
+        except Exception as error:
+            failures += 1
+            busy = False
+            if isinstance(error, OSError):
+                log.warning("%s: %s", name, error)
+            else:
+                log.exception("%s failed", name)
+        if not busy:
+            stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
+
+
+def _one_round(worker, steps):
+    """A thread's round: every step runs (none is skipped because an earlier
+    one found work); true when one of them found work."""
+    return any([step.run(worker) for step in steps])
+
+
+def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
+               webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
+    """The background work, until ``stop_event`` is set: the steps of
+    WORKER_STEPS, each thread of them on its own: make due batches
+    (process_due) and expire unconfirmed sign-ups, post stored events to
+    webhooks (deliver_webhooks) and, when ``smtp`` is given, deliver the
+    outbox (deliver() with ``delivery`` options).  Without SMTP the outbox
+    fills and waits.
+
+    :param interval: seconds between looks for due work when idle.
+    :param on_event: the application's callback for the events the worker
+        raises (batch.started, batch.sent, recipient.bounced), called after
+        their commit.  Only a worker thread in the application's own process
+        can call it: a worker started as its own process (``campaignapi.py
+        worker``) has no callback, and services learn of those events by webhook.
+    :param webhook_allow_private: the setting of that name.
+    :param templates_dir: where template files named by defaulttemplate are.
+    :param bounce_mailbox: process_bounce_mailbox() keyword arguments
+        (``imap``, ``user``, ``password``, ...): the mailbox is read every
+        MAILBOX_INTERVAL seconds.
+    """
+    worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
+                     templates_dir, bounce_mailbox, delivery)
+    lanes = {}   # thread name -> its steps, in the order of WORKER_STEPS
+    for step in WORKER_STEPS:
+        if step.needs is None or getattr(worker, step.needs):
+            lanes.setdefault(step.thread, []).append(step)
+    threads = [threading.Thread(
+        target=_repeat, args=(stop_event, steps[0].every or interval,
+                              functools.partial(_one_round, worker, steps), name),
+        name=f"campaignapi-{name}", daemon=True) for name, steps in lanes.items()]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        for thread in threads:
+            thread.join(0.5)
 
 
 # ---------------------------------------------------------------------------
