@@ -3031,10 +3031,15 @@ def account_email(conn, account):
 
 
 # ---------------------------------------------------------------------------
-# Events: raised in the transaction of the change that causes them, stored for
-# the account's webhooks (the worker delivers them), and handed to the
-# on_event callback once that transaction has committed.
+# Domain writes: recording an event, suppressing an address, applying a
+# bounce.  Each writes in the caller's transaction; every route, page, worker
+# step and inbound source that makes one of these changes comes here.
 # ---------------------------------------------------------------------------
+
+# Events: raised in the transaction of the change that causes them, stored for
+# the account's webhooks (the worker delivers them), handed to the internal
+# subscribers in that transaction, and to the on_event callback once it has
+# committed.  ----------------------------------------------------------------
 
 #: Every kind of event, in the order a recipient's or a campaign's life runs.
 EVENT_KINDS = ("recipient.subscribed", "recipient.confirmed", "recipient.unsubscribed",
@@ -3047,6 +3052,32 @@ def _iso_now():
         "+00:00", "Z")
 
 
+#: The module's own reactions to events: kind -> handlers, each called as
+#: ``handler(conn, account, payload, pending)`` by emit(), inside the
+#: transaction of the change (see _subscribe()).
+_SUBSCRIBERS = {kind: [] for kind in EVENT_KINDS}
+
+
+def _subscribe(kind, handler):
+    """Have emit() call ``handler(conn, account, payload, pending)`` for each
+    event ``kind``, in the transaction of the change that raises it, after
+    the event is stored for webhooks and queued for on_event.  What the
+    handler writes commits or rolls back with that change; an exception it
+    raises fails the change (the request answers an error, the worker's
+    round is retried).  ``pending`` is the caller's on_event list, for
+    the events the handler raises in turn (None when nobody listens).
+
+    For the module's own code (an automation that starts when a recipient is
+    confirmed): declare it next to the handler, at the top level of its banner.
+
+    :returns: ``handler``.
+    """
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"unknown event kind {kind!r}")
+    _SUBSCRIBERS[kind].append(handler)
+    return handler
+
+
 def emit(conn, account, kind, data, pending=None):
     """Raise event ``kind`` of ``account`` inside the current transaction.
 
@@ -3054,7 +3085,8 @@ def emit(conn, account, kind, data, pending=None):
     delivery for each enabled webhook of the account that wants the kind, so
     it is sent if and only if the transaction commits.  ``pending`` (a list)
     collects ``(kind, payload)`` for the on_event callback, which the caller
-    runs after its commit.
+    runs after its commit.  Then the internal subscribers of the kind (see
+    _subscribe()) are called, in the same transaction.
 
     :param data: the record, or the ids, the event is about (JSON values).
     :returns: the payload.
@@ -3075,6 +3107,8 @@ def emit(conn, account, kind, data, pending=None):
                                                  for webhook in webhooks])
     if pending is not None:
         pending.append((kind, payload))
+    for handler in _SUBSCRIBERS[kind]:
+        handler(conn, account, payload, pending)
     return payload
 
 
@@ -3087,6 +3121,180 @@ def run_callbacks(on_event, pending):
         except Exception:
             log.exception("the on_event callback failed for %s", kind)
     pending.clear()
+
+
+# Suppressing an address: the one way an address stops getting the account's
+# campaigns (unsubscribe, bounce, complaint) ---------------------------------
+
+#: Why an address is suppressed, weakest first: a stronger reason replaces a
+#: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
+#: never the other way round.  Each also names its statistics event.
+SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
+_RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
+
+
+def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbox=None,
+             pending=None):
+    """Stop the account's campaigns reaching ``address``, in the caller's
+    transaction: the suppression row, the status of every recipient row of the
+    account with that address, the event counted in the statistics of the
+    batch that caused it, and the ``recipient.<reason>`` event (see emit()).
+    Nothing is recorded when a stronger reason is already there.
+
+    :param reason: a key of SUPPRESSIONS: 'bounced', 'unsubscribed' or 'complained'.
+    :param campaign, batch, outbox: what the address was mailed by, when known.
+    :param pending: the on_event list of the caller (see emit()).
+    :returns: True when the address's state changed.
+    """
+    now = _now()
+    changed = conn.execute(
+        "INSERT INTO suppression (account, email, reason, campaign, created) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT (account, email) DO UPDATE SET reason = excluded.reason, "
+        "campaign = excluded.campaign, created = excluded.created "
+        f"WHERE {_RANK.format('excluded.reason')} > {_RANK.format('suppression.reason')}",
+        (account, address, reason, campaign, now)).rowcount
+    weaker = list(SUPPRESSIONS)[:list(SUPPRESSIONS).index(reason)]
+    marks = ", ".join("?" for _ in weaker)
+    conn.execute(
+        "UPDATE recipient SET status = ?, updated = ? WHERE email = ? "
+        f"AND status IN ('active', 'unconfirmed'{', ' + marks if weaker else ''}) "
+        "AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
+        (reason, now, address, *weaker, account))
+    if not changed:
+        return False
+    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (account, SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
+    emit(conn, account, f"recipient.{reason}",
+         {"email": address, "campaign": campaign and str(campaign),
+          "batch": batch and str(batch)}, pending)
+    return True
+
+
+# Applying a bounce: the rules, the one place every source ends -------------
+
+#: The kinds of report apply_bounce() takes: classify_bounce() answers one of
+#: them in "type", the provider callbacks map their events to them.
+BOUNCE_TYPES = ("hard", "soft", "complaint", "none")
+#: A soft bounce suppresses the address when the latest this many emails the
+#: account sent to it all soft-bounced.
+SOFT_BOUNCE_LIMIT = 3
+#: A report known only by its address applies to the accounts that mailed
+#: that address within this many days.
+BOUNCE_WINDOW_DAYS = 30
+
+
+def _bounce_targets(conn, report, account, secret):
+    """``[(account, address, outbox row or None)]`` a report applies to."""
+    outbox = report.get("outbox")
+    if outbox is None and secret and report.get("message_id"):
+        outbox = read_message_id(secret, report["message_id"])
+    if outbox is not None:
+        row = conn.execute("SELECT id, account, batch, to_addr FROM outbox WHERE id = ?",
+                           (outbox,)).fetchone()
+        if row is not None:
+            return [(row["account"], row["to_addr"], row)]
+    address = _normalize_email(report.get("email"))
+    if address is None:
+        return []
+    if account is not None:
+        return [(account, address, _latest_email(conn, account, address, report.get("campaign")))]
+    since = _shift(_now(), -BOUNCE_WINDOW_DAYS * 86400)
+    accounts = [row[0] for row in conn.execute(
+        "SELECT DISTINCT account FROM outbox WHERE to_addr = ? AND created >= ? ORDER BY account",
+        (address, since))]
+    return [(each, address, _latest_email(conn, each, address)) for each in accounts]
+
+
+def _latest_email(conn, account, address, campaign=None):
+    """The latest email the account sent to ``address`` (of ``campaign``):
+    the one a report that names no email is about, nearly always."""
+    where = "" if campaign is None else " AND batch IN (SELECT id FROM batch WHERE campaign = ?)"
+    return conn.execute(
+        "SELECT id, account, batch, to_addr FROM outbox WHERE account = ? AND to_addr = ? "
+        f"AND status = 'sent'{where} ORDER BY id DESC LIMIT 1",
+        (account, address) + (() if campaign is None else (campaign,))).fetchone()
+
+
+def _soft_bounce_run(conn, account, address):
+    """How many soft bounces in a row the address has: the latest emails the
+    account sent to it that each soft-bounced, up to the first that did not
+    (a delivery); soft bounces that name no email (none was sent) count too
+    when every email sent since soft-bounced."""
+    # Sent emails, and those given up on after temporary failures (soft at SMTP time).
+    emails = conn.execute(
+        "SELECT soft FROM (SELECT o.id, o.status, EXISTS (SELECT 1 FROM event e "
+        "WHERE e.outbox = o.id AND e.kind = 'softbounce') AS soft FROM outbox o "
+        "WHERE o.account = ? AND o.to_addr = ?) AS emails WHERE status = 'sent' OR soft "
+        "ORDER BY id DESC LIMIT ?", (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
+    run = 0
+    for (soft,) in emails:
+        if not soft:
+            return run
+        run += 1
+    return run + conn.execute(
+        "SELECT count(*) FROM event WHERE account = ? AND email = ? AND kind = 'softbounce' "
+        "AND outbox IS NULL", (account, address)).fetchone()[0]
+
+
+def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
+    """Count a soft bounce (once per email); the SOFT_BOUNCE_LIMIT-th in a row bounces."""
+    if not conn.execute(
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (account, campaign, batch, outbox, address, _now())).rowcount:
+        return   # a second report of the same email (event_softbounce_once)
+    if _soft_bounce_run(conn, account, address) >= SOFT_BOUNCE_LIMIT:
+        suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
+                 pending=pending)
+
+
+def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
+    """Apply one bounce or complaint, in the caller's transaction; every
+    source (SMTP replies aside) ends here: POST /v1/bounce, the bounce
+    mailbox, the provider callbacks.
+
+    A hard bounce suppresses the address ('bounced') for the account; a
+    complaint suppresses it ('complained'); a soft bounce is counted once per
+    email and the SOFT_BOUNCE_LIMIT-th in a row bounces it.  Each counts in
+    the statistics of the batch of the email it is about.
+
+    Which account and email: the outbox email the report names (VERP, else
+    our signed Message-ID) decides both; else the address within
+    ``account``; else every account that mailed the address in the last
+    BOUNCE_WINDOW_DAYS days.  Without a named email, the latest email the
+    account sent to the address is taken as the one it is about.
+
+    :param report: ``{"type": hard|soft|complaint|none, "email", "outbox",
+        "message_id", "campaign"}`` (classify_bounce()'s, or a provider event);
+        missing keys are None.
+    :param account: the account of the caller (the JSON route's key).
+    :param secret: the signing secret, to read our Message-IDs.
+    :param pending: the on_event list of the caller (see emit()).
+    :returns: ``{"type", "email", "campaign", "batch"}`` (strings or None) of
+        the first account it applied to; type 'none' changes nothing.
+    """
+    kind = report.get("type")
+    answer = {"type": kind if kind in BOUNCE_TYPES else "none",
+              "email": _normalize_email(report.get("email")), "campaign": None, "batch": None}
+    if answer["type"] == "none":
+        return answer
+    for index, (owner, address, email) in enumerate(_bounce_targets(conn, report, account, secret)):
+        batch = email["batch"] if email is not None else None
+        campaign = report.get("campaign")
+        if batch is not None:
+            campaign = conn.execute("SELECT campaign FROM batch WHERE id = ?",
+                                    (batch,)).fetchone()[0]
+        outbox = email["id"] if email is not None else None
+        if kind == "soft":
+            _soft_bounce(conn, owner, address, campaign, batch, outbox, pending)
+        else:
+            suppress(conn, owner, address, "bounced" if kind == "hard" else "complained",
+                     campaign, batch=batch, outbox=outbox, pending=pending)
+        if index == 0:
+            answer.update(email=address, campaign=campaign and str(campaign),
+                          batch=batch and str(batch))
+    return answer
 
 
 # ---------------------------------------------------------------------------
@@ -6093,51 +6301,6 @@ def _test_send(call, child_id, addresses):
 
 
 
-#: Why an address is suppressed, weakest first: a stronger reason replaces a
-#: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
-#: never the other way round.  Each also names its statistics event.
-SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
-_RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
-
-
-def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbox=None,
-             pending=None):
-    """Stop the account's campaigns reaching ``address``, in the caller's
-    transaction: the suppression row, the status of every recipient row of the
-    account with that address, the event counted in the statistics of the
-    batch that caused it, and the ``recipient.<reason>`` event for webhooks
-    and on_event.  Nothing is recorded when a stronger reason is already there.
-
-    :param reason: a key of SUPPRESSIONS: 'bounced', 'unsubscribed' or 'complained'.
-    :param campaign, batch, outbox: what the address was mailed by, when known.
-    :param pending: the on_event list of the caller (see emit()).
-    :returns: True when the address's state changed.
-    """
-    now = _now()
-    changed = conn.execute(
-        "INSERT INTO suppression (account, email, reason, campaign, created) VALUES (?, ?, ?, ?, ?) "
-        "ON CONFLICT (account, email) DO UPDATE SET reason = excluded.reason, "
-        "campaign = excluded.campaign, created = excluded.created "
-        f"WHERE {_RANK.format('excluded.reason')} > {_RANK.format('suppression.reason')}",
-        (account, address, reason, campaign, now)).rowcount
-    weaker = list(SUPPRESSIONS)[:list(SUPPRESSIONS).index(reason)]
-    marks = ", ".join("?" for _ in weaker)
-    conn.execute(
-        "UPDATE recipient SET status = ?, updated = ? WHERE email = ? "
-        f"AND status IN ('active', 'unconfirmed'{', ' + marks if weaker else ''}) "
-        "AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
-        (reason, now, address, *weaker, account))
-    if not changed:
-        return False
-    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (account, SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
-    emit(conn, account, f"recipient.{reason}",
-         {"email": address, "campaign": campaign and str(campaign),
-          "batch": batch and str(batch)}, pending)
-    return True
-
-
 #: Every page a person opens from an email or a form (unsubscribe, sign-up, confirm,
 #: a bad link): one small, readable shell.
 _PERSON_PAGE = """<!doctype html>
@@ -7205,8 +7368,6 @@ def archive_page(archive_record, title):
 # Inbound mail: reading bounces and complaints, the bounce mailbox
 # ---------------------------------------------------------------------------
 
-#: What classify_bounce() answers in "type".
-BOUNCE_TYPES = ("hard", "soft", "complaint", "none")
 #: Bytes of a bounce that are read; the rest, nearly always the tail of the
 #: returned original (whose headers come first), is cut so that a huge
 #: message cannot hold a worker: flufl.bounce's heuristics read every line.
@@ -7659,132 +7820,13 @@ def _handle_one(imap, uid, handle, max_bytes):
     return bool(done)
 
 
-# Applying bounces: the rules, the one place every source ends --------------
+# The bounce routes' and the mailbox's limits; our Message-IDs ---------------
 
-#: A soft bounce suppresses the address when the latest this many emails the
-#: account sent to it all soft-bounced.
-SOFT_BOUNCE_LIMIT = 3
-#: A report known only by its address applies to the accounts that mailed
-#: that address within this many days.
-BOUNCE_WINDOW_DAYS = 30
 #: The largest body the bounce routes read: far above any bounce of ours
 #: (only the head of a message is read anyway); larger ones are 413 unread.
 BOUNCE_MAX_BODY = 2 * 1024 * 1024
 #: Seconds between two reads of the bounce mailbox by the worker.
 MAILBOX_INTERVAL = 60
-
-
-def _bounce_targets(conn, report, account, secret):
-    """``[(account, address, outbox row or None)]`` a report applies to."""
-    outbox = report.get("outbox")
-    if outbox is None and secret and report.get("message_id"):
-        outbox = read_message_id(secret, report["message_id"])
-    if outbox is not None:
-        row = conn.execute("SELECT id, account, batch, to_addr FROM outbox WHERE id = ?",
-                           (outbox,)).fetchone()
-        if row is not None:
-            return [(row["account"], row["to_addr"], row)]
-    address = _normalize_email(report.get("email"))
-    if address is None:
-        return []
-    if account is not None:
-        return [(account, address, _latest_email(conn, account, address, report.get("campaign")))]
-    since = _shift(_now(), -BOUNCE_WINDOW_DAYS * 86400)
-    accounts = [row[0] for row in conn.execute(
-        "SELECT DISTINCT account FROM outbox WHERE to_addr = ? AND created >= ? ORDER BY account",
-        (address, since))]
-    return [(each, address, _latest_email(conn, each, address)) for each in accounts]
-
-
-def _latest_email(conn, account, address, campaign=None):
-    """The latest email the account sent to ``address`` (of ``campaign``):
-    the one a report that names no email is about, nearly always."""
-    where = "" if campaign is None else " AND batch IN (SELECT id FROM batch WHERE campaign = ?)"
-    return conn.execute(
-        "SELECT id, account, batch, to_addr FROM outbox WHERE account = ? AND to_addr = ? "
-        f"AND status = 'sent'{where} ORDER BY id DESC LIMIT 1",
-        (account, address) + (() if campaign is None else (campaign,))).fetchone()
-
-
-def _soft_bounce_run(conn, account, address):
-    """How many soft bounces in a row the address has: the latest emails the
-    account sent to it that each soft-bounced, up to the first that did not
-    (a delivery); soft bounces that name no email (none was sent) count too
-    when every email sent since soft-bounced."""
-    # Sent emails, and those given up on after temporary failures (soft at SMTP time).
-    emails = conn.execute(
-        "SELECT soft FROM (SELECT o.id, o.status, EXISTS (SELECT 1 FROM event e "
-        "WHERE e.outbox = o.id AND e.kind = 'softbounce') AS soft FROM outbox o "
-        "WHERE o.account = ? AND o.to_addr = ?) AS emails WHERE status = 'sent' OR soft "
-        "ORDER BY id DESC LIMIT ?", (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
-    run = 0
-    for (soft,) in emails:
-        if not soft:
-            return run
-        run += 1
-    return run + conn.execute(
-        "SELECT count(*) FROM event WHERE account = ? AND email = ? AND kind = 'softbounce' "
-        "AND outbox IS NULL", (account, address)).fetchone()[0]
-
-
-def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
-    """Count a soft bounce (once per email); the SOFT_BOUNCE_LIMIT-th in a row bounces."""
-    if not conn.execute(
-            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            (account, campaign, batch, outbox, address, _now())).rowcount:
-        return   # a second report of the same email (event_softbounce_once)
-    if _soft_bounce_run(conn, account, address) >= SOFT_BOUNCE_LIMIT:
-        suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
-                 pending=pending)
-
-
-def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
-    """Apply one bounce or complaint, in the caller's transaction; every
-    source (SMTP replies aside) ends here: POST /v1/bounce, the bounce
-    mailbox, the provider callbacks.
-
-    A hard bounce suppresses the address ('bounced') for the account; a
-    complaint suppresses it ('complained'); a soft bounce is counted once per
-    email and the SOFT_BOUNCE_LIMIT-th in a row bounces it.  Each counts in
-    the statistics of the batch of the email it is about.
-
-    Which account and email: the outbox email the report names (VERP, else
-    our signed Message-ID) decides both; else the address within
-    ``account``; else every account that mailed the address in the last
-    BOUNCE_WINDOW_DAYS days.  Without a named email, the latest email the
-    account sent to the address is taken as the one it is about.
-
-    :param report: ``{"type": hard|soft|complaint|none, "email", "outbox",
-        "message_id", "campaign"}`` (classify_bounce()'s, or a provider event);
-        missing keys are None.
-    :param account: the account of the caller (the JSON route's key).
-    :param secret: the signing secret, to read our Message-IDs.
-    :param pending: the on_event list of the caller (see emit()).
-    :returns: ``{"type", "email", "campaign", "batch"}`` (strings or None) of
-        the first account it applied to; type 'none' changes nothing.
-    """
-    kind = report.get("type")
-    answer = {"type": kind if kind in BOUNCE_TYPES else "none",
-              "email": _normalize_email(report.get("email")), "campaign": None, "batch": None}
-    if answer["type"] == "none":
-        return answer
-    for index, (owner, address, email) in enumerate(_bounce_targets(conn, report, account, secret)):
-        batch = email["batch"] if email is not None else None
-        campaign = report.get("campaign")
-        if batch is not None:
-            campaign = conn.execute("SELECT campaign FROM batch WHERE id = ?",
-                                    (batch,)).fetchone()[0]
-        outbox = email["id"] if email is not None else None
-        if kind == "soft":
-            _soft_bounce(conn, owner, address, campaign, batch, outbox, pending)
-        else:
-            suppress(conn, owner, address, "bounced" if kind == "hard" else "complained",
-                     campaign, batch=batch, outbox=outbox, pending=pending)
-        if index == 0:
-            answer.update(email=address, campaign=campaign and str(campaign),
-                          batch=batch and str(batch))
-    return answer
 
 
 # The bounce mailbox, read by the command and the worker -----------------------
@@ -7910,7 +7952,7 @@ def _bounce_sendgrid(call):
 
 
 # ---------------------------------------------------------------------------
-# Delivery: MIME, SMTP, DKIM, unsubscribe, the worker
+# Delivery: MIME, SMTP, DKIM, unsubscribe
 # ---------------------------------------------------------------------------
 
 #: A claim is a lease: a live worker renews it (claimed_at) every CLAIM_RENEW
@@ -8537,86 +8579,6 @@ def _run_couriers(couriers):
             thread.join()
         if failures:
             raise failures[0]
-
-
-# The worker ------------------------------------------------------------------
-
-def _repeat(stop, interval, step, name):
-    """Run ``step()`` until ``stop`` is set: again at once while it reports
-    work, else after ``interval`` seconds (longer after failures)."""
-    failures = 0
-    while not stop.is_set():
-        try:
-            busy = step()
-            failures = 0
-        except Exception as error:
-            failures += 1
-            busy = False
-            if isinstance(error, OSError):
-                log.warning("%s: %s", name, error)
-            else:
-                log.exception("%s failed", name)
-        if not busy:
-            stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
-
-
-def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
-               webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
-    """The background work, until ``stop_event`` is set: make due batches
-    (process_due), post stored events to webhooks (deliver_webhooks) and,
-    when ``smtp`` is given, deliver the outbox (deliver() with ``delivery``
-    options).  Without SMTP the outbox fills and waits.
-
-    :param interval: seconds between looks for due work when idle.
-    :param on_event: the application's callback for the events the worker
-        raises (batch.started, batch.sent, recipient.bounced), called after
-        their commit.  Only a worker thread in the application's own process
-        can call it: a worker started as its own process (``campaignapi.py
-        worker``) has no callback, and services learn of those events by webhook.
-    :param webhook_allow_private: the setting of that name.
-    :param templates_dir: where template files named by defaulttemplate are.
-    :param bounce_mailbox: process_bounce_mailbox() keyword arguments
-        (``imap``, ``user``, ``password``, ...): the mailbox is read every
-        MAILBOX_INTERVAL seconds.
-    """
-    def make_batches():
-        # Unconfirmed sign-ups expire here too: a bounded delete per round.
-        return process_due(db, on_event=on_event, templates_dir=templates_dir) \
-            + remove_unconfirmed(db) > 0
-
-    def deliver_events():
-        counts = deliver_webhooks(db, allow_private=webhook_allow_private, stop=stop_event)
-        if any(counts.values()):
-            log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
-        return any(counts.values())
-
-    def deliver_outbox():
-        counts = deliver(db, smtp, stop=stop_event, on_event=on_event, **delivery)
-        if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
-            log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
-                                                if v and k != "error"))
-        if counts["error"]:
-            raise ConnectionError(counts["error"])
-        return counts["sent"] + counts["failed"] + counts["retried"] > 0
-
-    def read_bounces():
-        try:
-            process_bounce_mailbox(db, **bounce_mailbox)
-        except MailboxError as error:   # a line, not a traceback, each minute it lasts
-            log.warning("bounce mailbox: %s", error)
-        return False
-
-    steps = [("batches", make_batches, interval), ("webhooks", deliver_events, interval)]
-    steps += [("delivery", deliver_outbox, interval)] if smtp else []
-    steps += [("bounces", read_bounces, MAILBOX_INTERVAL)] if bounce_mailbox else []
-    threads = [threading.Thread(target=_repeat, args=(stop_event, every, step, name),
-                                name=f"campaignapi-{name}", daemon=True)
-               for name, step, every in steps]
-    for thread in threads:
-        thread.start()
-    while any(thread.is_alive() for thread in threads):
-        for thread in threads:
-            thread.join(0.5)
 
 
 # ---------------------------------------------------------------------------
@@ -9645,6 +9607,150 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
                              "failures = failures + ? WHERE id = ?",
                              (attempted, error, int(state == "failed"), row["webhook"]))
                 counts[counted] += 1
+
+
+# ---------------------------------------------------------------------------
+# The worker: every kind of due work is one step in WORKER_STEPS; each thread
+# of the worker runs its steps again at once while they find work, else after
+# its interval.
+# ---------------------------------------------------------------------------
+
+class _Worker:
+    """The settings one run_worker() runs its steps with (see there)."""
+
+    def __init__(self, db, stop_event, smtp, interval, on_event, webhook_allow_private,
+                 templates_dir, bounce_mailbox, delivery):
+        self.db, self.stop_event, self.smtp, self.interval = db, stop_event, smtp, interval
+        self.on_event, self.webhook_allow_private = on_event, webhook_allow_private
+        self.templates_dir, self.bounce_mailbox, self.delivery = \
+            templates_dir, bounce_mailbox, delivery
+
+
+def _make_due_batches(worker):
+    return process_due(worker.db, on_event=worker.on_event,
+                       templates_dir=worker.templates_dir) > 0
+
+
+def _purge_unconfirmed(worker):
+    # A bounded delete per round.
+    return remove_unconfirmed(worker.db) > 0
+
+
+def _deliver_events(worker):
+    counts = deliver_webhooks(worker.db, allow_private=worker.webhook_allow_private,
+                              stop=worker.stop_event)
+    if any(counts.values()):
+        log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    return any(counts.values())
+
+
+def _deliver_outbox(worker):
+    counts = deliver(worker.db, worker.smtp, stop=worker.stop_event, on_event=worker.on_event,
+                     **worker.delivery)
+    if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
+        log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
+                                            if v and k != "error"))
+    if counts["error"]:
+        raise ConnectionError(counts["error"])
+    return counts["sent"] + counts["failed"] + counts["retried"] > 0
+
+
+def _read_bounces(worker):
+    try:
+        process_bounce_mailbox(worker.db, **worker.bounce_mailbox)
+    except MailboxError as error:   # a line, not a traceback, each minute it lasts
+        log.warning("bounce mailbox: %s", error)
+    return False
+
+
+class _Step:
+    """One kind of due work of the worker.
+
+    :param thread: the worker thread that runs it (named ``campaignapi-<thread>``):
+        the steps of one thread run in list order each round, and the round
+        found work when one of them did.
+    :param run: ``run(worker)`` does one round of the work; true when it found some.
+    :param needs: the run_worker() setting without which the step is left out.
+    :param every: seconds between rounds when idle; None: the worker's
+        interval.  The first step of a thread sets it for the thread.
+    """
+
+    def __init__(self, thread, run, needs=None, every=None):
+        self.thread, self.run, self.needs, self.every = thread, run, needs, every
+
+
+#: The worker's due work: a new kind of due work is one more entry.  Threads
+#: start in the order they first appear.
+WORKER_STEPS = (
+    _Step("batches", _make_due_batches),
+    _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
+    _Step("webhooks", _deliver_events),
+    _Step("delivery", _deliver_outbox, needs="smtp"),
+    _Step("bounces", _read_bounces, needs="bounce_mailbox", every=MAILBOX_INTERVAL),
+)
+
+
+def _repeat(stop, interval, step, name):
+    """Run ``step()`` until ``stop`` is set: again at once while it reports
+    work, else after ``interval`` seconds (longer after failures)."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            busy = step()
+            failures = 0
+        except Exception as error:
+            failures += 1
+            busy = False
+            if isinstance(error, OSError):
+                log.warning("%s: %s", name, error)
+            else:
+                log.exception("%s failed", name)
+        if not busy:
+            stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
+
+
+def _one_round(worker, steps):
+    """A thread's round: every step runs (none is skipped because an earlier
+    one found work); true when one of them found work."""
+    return any([step.run(worker) for step in steps])
+
+
+def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
+               webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
+    """The background work, until ``stop_event`` is set: the steps of
+    WORKER_STEPS, each thread of them on its own: make due batches
+    (process_due) and expire unconfirmed sign-ups, post stored events to
+    webhooks (deliver_webhooks) and, when ``smtp`` is given, deliver the
+    outbox (deliver() with ``delivery`` options).  Without SMTP the outbox
+    fills and waits.
+
+    :param interval: seconds between looks for due work when idle.
+    :param on_event: the application's callback for the events the worker
+        raises (batch.started, batch.sent, recipient.bounced), called after
+        their commit.  Only a worker thread in the application's own process
+        can call it: a worker started as its own process (``campaignapi.py
+        worker``) has no callback, and services learn of those events by webhook.
+    :param webhook_allow_private: the setting of that name.
+    :param templates_dir: where template files named by defaulttemplate are.
+    :param bounce_mailbox: process_bounce_mailbox() keyword arguments
+        (``imap``, ``user``, ``password``, ...): the mailbox is read every
+        MAILBOX_INTERVAL seconds.
+    """
+    worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
+                     templates_dir, bounce_mailbox, delivery)
+    lanes = {}   # thread name -> its steps, in the order of WORKER_STEPS
+    for step in WORKER_STEPS:
+        if step.needs is None or getattr(worker, step.needs):
+            lanes.setdefault(step.thread, []).append(step)
+    threads = [threading.Thread(
+        target=_repeat, args=(stop_event, steps[0].every or interval,
+                              functools.partial(_one_round, worker, steps), name),
+        name=f"campaignapi-{name}", daemon=True) for name, steps in lanes.items()]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        for thread in threads:
+            thread.join(0.5)
 
 
 # ---------------------------------------------------------------------------
