@@ -359,6 +359,11 @@ _PG_URL = ("postgresql://", "postgres://")
 _PG_INSTALL = "pip install 'campaignapi[postgres]'"
 
 
+def _connection_class(db):
+    """The connection class of ``db`` (see connect()), without connecting."""
+    return _PgConnection if str(db).startswith(_PG_URL) else _SqliteConnection
+
+
 def connect(db):
     """Open a connection to ``db`` with the project's settings.
 
@@ -371,7 +376,7 @@ def connect(db):
     :param db: the SQLite file, or a ``postgresql://`` URL (needs psycopg 3:
         ``pip install 'campaignapi[postgres]'``).
     """
-    if str(db).startswith(_PG_URL):
+    if _connection_class(db) is _PgConnection:
         return _PgConnection(_pg_connect(str(db)))
     conn = sqlite3.connect(db, timeout=30, isolation_level=None, check_same_thread=False,
                            factory=_SqliteConnection)
@@ -442,6 +447,16 @@ class _SqliteConnection(sqlite3.Connection):
     def import_writes(self, importer):
         """How an import's chunks reach recipient here: _SqliteImportWrites."""
         return _SqliteImportWrites(importer)
+
+    @staticmethod
+    def intake(db, conn, wait):
+        """Where public writes that cannot wait are kept: _SqliteIntake."""
+        return _SqliteIntake(db, conn, wait)
+
+    @staticmethod
+    def export_folder(db):
+        """The folder of the export files: beside the database file."""
+        return os.path.abspath(db) + "-exports"
 
     @contextlib.contextmanager
     def reading(self, name):
@@ -781,6 +796,18 @@ class _PgConnection:
     def import_writes(self, importer):
         """How an import's chunks reach recipient here: _PgImportWrites."""
         return _PgImportWrites(importer)
+
+    @staticmethod
+    def intake(db, conn, wait):
+        """Where public writes that cannot wait are kept: _PgIntake."""
+        return _PgIntake(db, conn, wait)
+
+    @staticmethod
+    def export_folder(db):
+        """The folder of the export files: files of this host, served by this
+        host (see README, PostgreSQL), one folder per database."""
+        name = hashlib.sha256(str(db).encode()).hexdigest()[:16]
+        return os.path.join(tempfile.gettempdir(), f"campaignapi-{name}-exports")
 
     @contextlib.contextmanager
     def reading(self, name):
@@ -1488,6 +1515,144 @@ class _CopyStream:
             conn.execute("RELEASE SAVEPOINT import_stream")
         if repeats:
             self.writes.stage(repeats)
+
+
+# Kept public writes: the intake's storage --------------------------------------
+#
+# The public writes that could not wait for their locks (see _Intake) are
+# kept where the lock that stopped them does not reach, and applied in the
+# order they came.  Each connection class names its place (intake()).
+
+class _SqliteIntake:
+    """Kept public writes on SQLite: in a file of their own beside the
+    database (``<db>.intake``), which the database's one write lock (a big
+    import's) does not reach.  The last id applied is kept in the database,
+    in the transaction that applies it, so each is applied once, also when
+    the process dies between the two files.
+
+    :param db: the database file.
+    :param conn: a function giving this thread's connection to it.
+    :param wait: how long applying writes at once waits for the lock (ms).
+    """
+
+    def __init__(self, db, conn, wait):
+        self.db, self.conn, self.wait = db, conn, wait
+        self.path = f"{db}.intake"
+        self.local = threading.local()   # this thread's side and quick connections
+
+    def quick(self, conn):
+        """The connection for applying a request's writes at once: one of
+        this thread whose busy timeout is ``wait``."""
+        quick = getattr(self.local, "quick", None)
+        if quick is None:
+            quick = self.local.quick = connect(self.db)
+            quick.execute(f"PRAGMA busy_timeout = {self.wait}")
+        return quick
+
+    def quick_transaction(self, quick):
+        """A transaction on quick()'s connection: it waits ``wait`` for the lock."""
+        return transaction(quick)
+
+    def kept(self):
+        """Whether any writes are kept."""
+        if not os.path.exists(self.path):
+            return False
+        return self._side().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+
+    def keep(self, conn, rows):
+        """Keep ``rows``, ``(kind, payload JSON, created)``, after the others."""
+        _keep_intake(self._side(), rows)
+
+    def drain(self, conn, limit, apply):
+        """Hand up to ``limit`` kept writes, ``(kind, payload)`` the oldest
+        first, to ``apply`` in a transaction of ``conn`` and take them off;
+        how many were taken off."""
+        side = self._side()
+        rows = side.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
+                            (limit,)).fetchall()
+        if not rows:
+            return 0
+        with transaction(conn):
+            done = self._applied(conn)
+            apply([(row["kind"], json.loads(row["payload"])) for row in rows if row["id"] > done])
+            conn.execute("INSERT INTO setting (name, value) VALUES ('intake_applied', ?) "
+                         "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                         (str(rows[-1]["id"]),))
+        with transaction(side):
+            side.execute("DELETE FROM intake WHERE id <= ?", (rows[-1]["id"],))
+        return len(rows)
+
+    @staticmethod
+    def _applied(conn):
+        """The id of the last kept write the database applied (0: none)."""
+        row = conn.execute("SELECT value FROM setting WHERE name = 'intake_applied'").fetchone()
+        return int(row["value"]) if row else 0
+
+    def _side(self):
+        """This thread's connection to the side file, made on first use with
+        its ids starting after the last one the database applied."""
+        side = getattr(self.local, "intake", None)
+        if side is None:
+            side = connect(self.path)
+            try:
+                with transaction(side):
+                    if side.execute("SELECT 1 FROM sqlite_master WHERE name = 'intake'"
+                                    ).fetchone() is None:
+                        side.execute(_schema_table("intake"))
+                        side.execute("INSERT INTO sqlite_sequence (name, seq) VALUES "
+                                     "('intake', ?)", (self._applied(self.conn()),))
+            except BaseException:
+                side.close()
+                raise
+            self.local.intake = side
+        return side
+
+
+class _PgIntake:
+    """Kept public writes on PostgreSQL: in the intake table, which an
+    import's row locks do not reach; one drainer at a time (an advisory
+    lock) keeps the order across hosts.  Arguments as _SqliteIntake's."""
+
+    _LOCK = 0x696e7461   # 'inta': the advisory lock of one drainer
+
+    def __init__(self, db, conn, wait):
+        self.conn, self.wait = conn, wait
+
+    def quick(self, conn):
+        """The request's own connection (see quick_transaction())."""
+        return conn
+
+    @contextlib.contextmanager
+    def quick_transaction(self, conn):
+        """A transaction that waits at most ``wait`` for each lock."""
+        with transaction(conn):
+            conn.execute(f"SET LOCAL lock_timeout = {self.wait}")
+            yield conn
+
+    def kept(self):
+        return self.conn().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+
+    def keep(self, conn, rows):
+        _keep_intake(conn, rows)
+
+    def drain(self, conn, limit, apply):
+        with transaction(conn):
+            if not conn.execute("SELECT pg_try_advisory_xact_lock(?)",
+                                (self._LOCK,)).fetchone()[0]:
+                return 0
+            rows = conn.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
+                                (limit,)).fetchall()
+            apply([(row["kind"], json.loads(row["payload"])) for row in rows])
+            if rows:
+                conn.execute("DELETE FROM intake WHERE id IN "
+                             f"({conn.sql['json_ids'].format(array='?')})",
+                             (_to_json([row["id"] for row in rows]),))
+        return len(rows)
+
+
+def _keep_intake(store, rows):
+    with transaction(store):
+        store.executemany("INSERT INTO intake (kind, payload, created) VALUES (?, ?, ?)", rows)
 
 
 # ---------------------------------------------------------------------------
@@ -3946,11 +4111,8 @@ def _export_get(call, child_id):
 
 
 def _export_folder(db):
-    if str(db).startswith(_PG_URL):
-        # Files of this host, served by this host: see README, PostgreSQL.
-        name = hashlib.sha256(str(db).encode()).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), f"campaignapi-{name}-exports")
-    return os.path.abspath(db) + "-exports"
+    """Where the export files of the database ``db`` go (its engine says)."""
+    return _connection_class(db).export_folder(db)
 
 
 def _run_export(call):
@@ -5659,19 +5821,16 @@ def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
 # it (nor fail at the 30 s busy timeout).  So those routes read, check and
 # answer, and hand their writes to call.later(); the pipeline applies them in
 # one short transaction when its locks come within PUBLIC_WAIT, else keeps
-# them in the intake table (on SQLite in a file of its own beside the
-# database, which the import's lock does not reach) and a thread of the app
-# applies them in the order they came as soon as the lock is free.  While any
-# are kept, new ones queue behind them: an unsubscribe does not overtake the
-# sign-up before it.  On SQLite, the last id applied is kept in the database
-# in the transaction that applies it, so each is applied once, also when the
-# process dies between the two files.
+# them in the intake (the engine's place, which the import's locks do not
+# reach: _SqliteIntake, _PgIntake) and a thread of the app applies them in
+# the order they came as soon as the lock is free.  While any are kept, new
+# ones queue behind them: an unsubscribe does not overtake the sign-up
+# before it.
 
 #: How long a public write waits for its locks before it is kept for later (ms).
 PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
 INTAKE_CHUNK = 500
-_INTAKE_LOCK = 0x696e7461   # 'inta': the advisory lock of one drainer (PostgreSQL)
 
 
 class _Intake:
@@ -5682,6 +5841,8 @@ class _Intake:
     def __init__(self, service):
         self.service, self.lock, self.thread = service, threading.Lock(), None
         self.backlog = None   # whether any are kept; None: not looked yet
+        # Where they are kept: the engine's place (_SqliteIntake).
+        self.store = _connection_class(service.db).intake(service.db, service.conn, PUBLIC_WAIT)
         # Threads of the app take turns at writing here rather than in the
         # database's busy wait, and the one whose turn it is commits what the
         # others brought meanwhile too (group commit): one transaction for
@@ -5718,12 +5879,10 @@ class _Intake:
         return mine[2]
 
     def _commit(self, turn):
-        conn = self._quick(turn[0][0].conn)
+        conn = self.store.quick(turn[0][0].conn)
         apart = len(turn) > 1 or len(turn[0][1]) > 1
         try:
-            with transaction(conn):
-                if conn.engine == "postgresql":
-                    conn.execute(f"SET LOCAL lock_timeout = {PUBLIC_WAIT}")
+            with self.store.quick_transaction(conn):
                 for entry in turn:
                     call, items, _ = entry
                     read, call.conn = call.conn, conn
@@ -5751,12 +5910,7 @@ class _Intake:
 
     def kept(self):
         """Whether any writes are kept."""
-        if self.service.conn().engine == "postgresql":
-            return self.service.conn().execute("SELECT 1 FROM intake LIMIT 1").fetchone() \
-                is not None
-        if not os.path.exists(self._side_path()):
-            return False
-        return self._side().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+        return self.store.kept()
 
     def drain(self, limit=INTAKE_CHUNK):
         """Apply up to ``limit`` kept writes, the oldest first, in one
@@ -5766,80 +5920,14 @@ class _Intake:
         """
         conn = self.service.conn()
         call = Call(conn, None, {}, self.service, "intake")
-        if conn.engine == "postgresql":
-            with transaction(conn):
-                # One drainer at a time keeps the order across hosts.
-                if not conn.execute("SELECT pg_try_advisory_xact_lock(?)",
-                                    (_INTAKE_LOCK,)).fetchone()[0]:
-                    return 0
-                rows = conn.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
-                                    (limit,)).fetchall()
-                _apply_later(call, [(row["kind"], json.loads(row["payload"])) for row in rows])
-                if rows:
-                    conn.execute("DELETE FROM intake WHERE id IN "
-                                 f"({conn.sql['json_ids'].format(array='?')})",
-                                 (_to_json([row["id"] for row in rows]),))
-        else:
-            side = self._side()
-            rows = side.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
-                                (limit,)).fetchall()
-            if not rows:
-                return 0
-            with transaction(conn):
-                done = _intake_mark(conn)
-                _apply_later(call, [(row["kind"], json.loads(row["payload"])) for row in rows
-                                    if row["id"] > done])
-                conn.execute("INSERT INTO setting (name, value) VALUES ('intake_applied', ?) "
-                             "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                             (str(rows[-1]["id"]),))
-            with transaction(side):
-                side.execute("DELETE FROM intake WHERE id <= ?", (rows[-1]["id"],))
+        taken = self.store.drain(conn, limit, lambda items: _apply_later(call, items))
         if call.memo.get("events") and self.service.config["on_event"]:
             run_callbacks(self.service.config["on_event"], call.memo["events"])
-        return len(rows)
+        return taken
 
     def _keep(self, conn, items):
-        store = conn if conn.engine == "postgresql" else self._side()
         now = _now()
-        with transaction(store):
-            store.executemany("INSERT INTO intake (kind, payload, created) VALUES (?, ?, ?)",
-                              [(kind, _to_json(payload), now) for kind, payload in items])
-
-    def _quick(self, conn):
-        """The connection for applying a request's writes at once: on
-        PostgreSQL the request's (lock_timeout set in the transaction), on
-        SQLite one of this thread whose busy timeout is PUBLIC_WAIT."""
-        if conn.engine == "postgresql":
-            return conn
-        local = self.service._local
-        quick = getattr(local, "quick", None)
-        if quick is None:
-            quick = local.quick = connect(self.service.db)
-            quick.execute(f"PRAGMA busy_timeout = {PUBLIC_WAIT}")
-        return quick
-
-    def _side_path(self):
-        return f"{self.service.db}.intake"
-
-    def _side(self):
-        """This thread's connection to the SQLite side file, made on first use
-        with its ids starting after the last one the database applied."""
-        local = self.service._local
-        side = getattr(local, "intake", None)
-        if side is None:
-            side = connect(self._side_path())
-            try:
-                with transaction(side):
-                    if side.execute("SELECT 1 FROM sqlite_master WHERE name = 'intake'"
-                                    ).fetchone() is None:
-                        side.execute(_schema_table("intake"))
-                        side.execute("INSERT INTO sqlite_sequence (name, seq) VALUES "
-                                     "('intake', ?)", (_intake_mark(self.service.conn()),))
-            except BaseException:
-                side.close()
-                raise
-            local.intake = side
-        return side
+        self.store.keep(conn, [(kind, _to_json(payload), now) for kind, payload in items])
 
     def _start(self):
         """A draining thread, unless one runs (under self.lock)."""
@@ -5865,12 +5953,6 @@ class _Intake:
                 log.warning("kept public writes not applied yet: %s", error)
                 time.sleep(min(0.1 * 2 ** failures, 5.0))
         log.error("kept public writes: giving up for now; the next public write retries")
-
-
-def _intake_mark(conn):
-    """The id of the last kept write the SQLite database applied (0: none)."""
-    row = conn.execute("SELECT value FROM setting WHERE name = 'intake_applied'").fetchone()
-    return int(row["value"]) if row else 0
 
 
 def _transient(error):
