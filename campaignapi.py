@@ -321,6 +321,10 @@ SQL = {
     },
 }
 
+#: Compact JSON as every answer and stored JSON text is written: one encoder,
+#: made once (json.dumps with options builds a new one per call).
+_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
 #: What a write that breaks a UNIQUE, FOREIGN KEY, NOT NULL or CHECK rule
 #: raises, on either engine: catch ``campaignapi.INTEGRITY_ERRORS`` (looked
 #: up when the error happens).  psycopg's class joins when connect() first
@@ -356,6 +360,11 @@ _PG_URL = ("postgresql://", "postgres://")
 _PG_INSTALL = "pip install 'campaignapi[postgres]'"
 
 
+def _connection_class(db):
+    """The connection class of ``db`` (see connect()), without connecting."""
+    return _PgConnection if str(db).startswith(_PG_URL) else _SqliteConnection
+
+
 def connect(db):
     """Open a connection to ``db`` with the project's settings.
 
@@ -368,7 +377,7 @@ def connect(db):
     :param db: the SQLite file, or a ``postgresql://`` URL (needs psycopg 3:
         ``pip install 'campaignapi[postgres]'``).
     """
-    if str(db).startswith(_PG_URL):
+    if _connection_class(db) is _PgConnection:
         return _PgConnection(_pg_connect(str(db)))
     conn = sqlite3.connect(db, timeout=30, isolation_level=None, check_same_thread=False,
                            factory=_SqliteConnection)
@@ -431,6 +440,31 @@ class _SqliteConnection(sqlite3.Connection):
 
     engine = "sqlite"
     sql = SQL["sqlite"]
+    #: Whether a large CSV upload is read by a forked child while this
+    #: process writes (_ChildReader): SQLite writes in this process, and only
+    #: a second process overlaps the reading (Python, under the GIL) with it.
+    forks_reader = hasattr(os, "fork")
+
+    def import_writes(self, importer):
+        """How an import's chunks reach recipient here: _SqliteImportWrites."""
+        return _SqliteImportWrites(importer)
+
+    @staticmethod
+    def intake(db, conn, wait):
+        """Where public writes that cannot wait are kept: _SqliteIntake."""
+        return _SqliteIntake(db, conn, wait)
+
+    @staticmethod
+    def export_folder(db):
+        """The folder of the export files: beside the database file."""
+        return os.path.abspath(db) + "-exports"
+
+    @contextlib.contextmanager
+    def reading(self, name):
+        """A cursor for one long read (``name`` is for PostgreSQL): sqlite3
+        steps through the rows as they are iterated anyway."""
+        with contextlib.closing(self.cursor()) as cursor:
+            yield cursor
 
     def run_script(self, script):
         """Run the statements of ``script`` one by one, inside the current
@@ -718,6 +752,9 @@ class _PgConnection:
 
     engine = "postgresql"
     sql = SQL["postgresql"]
+    #: The COPY stream already overlaps reading and writing (the server
+    #: stores a chunk while the next one is read): no reading child.
+    forks_reader = False
 
     def __init__(self, raw):
         self.raw = raw
@@ -756,6 +793,30 @@ class _PgConnection:
 
     def schema_script(self, script):
         return _pg_schema(script)
+
+    def import_writes(self, importer):
+        """How an import's chunks reach recipient here: _PgImportWrites."""
+        return _PgImportWrites(importer)
+
+    @staticmethod
+    def intake(db, conn, wait):
+        """Where public writes that cannot wait are kept: _PgIntake."""
+        return _PgIntake(db, conn, wait)
+
+    @staticmethod
+    def export_folder(db):
+        """The folder of the export files: files of this host, served by this
+        host (see README, PostgreSQL), one folder per database."""
+        name = hashlib.sha256(str(db).encode()).hexdigest()[:16]
+        return os.path.join(tempfile.gettempdir(), f"campaignapi-{name}-exports")
+
+    @contextlib.contextmanager
+    def reading(self, name):
+        """A cursor for one long read, its rows fetched as iterated: a
+        server-side cursor ``name``, which lives in a (read-only) transaction;
+        it closes before the transaction ends."""
+        with transaction(self), contextlib.closing(self.cursor(name)) as cursor:
+            yield cursor
 
     def next_id(self, table):
         """None: the identity sequence gives the ids (see _SqliteConnection);
@@ -1139,6 +1200,481 @@ def _migrate(conn, script, target, migrations):
 
 def _now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# An import's writes -----------------------------------------------------------
+#
+# An import checks its rows in Python and hands them over a chunk at a time
+# (_Importer.flush()): ``pending``, {folded address: (address, field keys,
+# values)} in upload order.  How a chunk reaches recipient is where the
+# engines differ most, so each connection class names its way
+# (import_writes()): on SQLite one INSERT ... SELECT from json_each a chunk
+# (_SqliteImportWrites); on PostgreSQL COPY, straight into recipient
+# (_CopyStream) or through a staging table (_PgImportWrites).  Either way new
+# addresses are inserted and known ones updated (their values merged in,
+# never their status), each counted once on the importer.
+
+#: Rows read, checked and written per executemany (imports, retypes).
+CHUNK_ROWS = 5000
+
+_ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _nocase(address):
+    """An address as the recipient table compares it (SQLite NOCASE folds ASCII only)."""
+    return address.lower() if address.isascii() else address.translate(_ASCII_FOLD)
+
+
+def _merged(earlier, later):
+    """Two rows ``(address, keys, values)`` of one address from different
+    chunks as one that an update applies at once: the later values win (blank
+    ones too), the earlier address stays (an update keeps the stored one)."""
+    if earlier[1] == later[1]:
+        return earlier[0], later[1], later[2]
+    values = {**dict(zip(earlier[1], earlier[2])), **dict(zip(later[1], later[2]))}
+    return earlier[0], tuple(values), tuple(values.values())
+
+
+#: COPY's text format: a backslash, tab, newline or carriage return escaped.
+_COPY_TEXT = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+_json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, like _to_json
+
+
+def _data_json(keys, values, *, blank=None):
+    """The JSON object text of field values for recipient.data, keyed by the
+    field ids ``keys``.  A blank value (None, or only whitespace as
+    convert_value() has it) is left out, or written as ``null`` when
+    ``blank="null"`` (json_patch then removes the key).
+
+    Written by hand, each value encoded by the json module, because it runs
+    for every imported row: a dict and its encoding cost three times as much
+    (and building the JSON in SQL, four).
+    """
+    members = []
+    for key, value in zip(keys, values):
+        if value.__class__ is str:
+            if value and not value.isspace():
+                members.append(f'"{key}":{_json_string(value)}')
+                continue
+        elif value is not None:
+            members.append(f'"{key}":{_to_json(value)}')
+            continue
+        if blank:
+            members.append(f'"{key}":{blank}')
+    return "{" + ",".join(members) + "}"
+
+
+def _chunk_json(pending):
+    """The rows of ``pending`` as flush() writes them on SQLite: one JSON object
+    ``{address: data}`` in their order, data as _data_json() has it.
+
+    Built a column at a time by C (the json module's string encoder, joins of
+    the columns with the key text between), because it runs for every
+    imported row; a row with a blank value, or a chunk whose rows name other
+    fields (a json upload), takes _data_json() row by row.
+    """
+    addresses, keyses, rows = zip(*pending.values())
+    keys = keyses[0]
+    if keyses.count(keys) != len(keyses):
+        return "{" + ",".join([f"{_json_string(address)}:{_data_json(keys, values)}"
+                               for address, keys, values in pending.values()]) + "}"
+    parts, blank = [map(_json_string, addresses)], set()
+    for at, (key, column) in enumerate(zip(keys, zip(*rows))):
+        if set(map(type, column)) == {str}:
+            encode = _json_string
+            if "" in column or any(map(str.isspace, column)):
+                blank.update(i for i, value in enumerate(column) if not value or value.isspace())
+        else:
+            encode = _to_json
+            blank.update(i for i, value in enumerate(column) if value is None or (
+                value.__class__ is str and (not value or value.isspace())))
+        parts += [itertools.repeat(f'{"," if at else ":{"}"{key}":'), map(encode, column)]
+    parts.append(itertools.repeat("}" if keys else ":{}"))
+    if not blank:
+        return "{" + ",".join(map("".join, zip(*parts))) + "}"
+    texts = list(map("".join, zip(*parts)))
+    for i in blank:
+        texts[i] = f"{_json_string(addresses[i])}:{_data_json(keys, rows[i])}"
+    return "{" + ",".join(texts) + "}"
+
+
+class _SqliteImportWrites:
+    """An import's chunks on SQLite: each one statement (the C of SQLite
+    instead of one executemany step per row), in the request's transaction,
+    whose write lock keeps every other writer out."""
+
+    def __init__(self, importer):
+        self.importer = importer
+
+    def flush(self, pending):
+        self.write(_chunk_json(pending), lambda address, data: _data_json(
+            *pending[_nocase(address)][1:], blank="null"))
+
+    def write(self, chunk, patch):
+        """A chunk, as _chunk_json() gives it as _chunk_json() gives it: one
+        INSERT ... SELECT from json_each for the whole chunk (the C of SQLite
+        instead of one executemany step per row), the known addresses left to
+        ON CONFLICT and updated with ``patch(address, data)``, the JSON patch
+        of their new values (blank ones null)."""
+        importer = self.importer
+        conn, temp, now = importer.conn, importer.conn.sql["temp"], _now()
+        known, touched, updates = set(), [], []
+        for recipient_id, address, data, source, seen in conn.execute(
+                # CROSS JOIN: SQLite then loops over the chunk, looking each up
+                # in the unique index (not over the datasource's recipients).
+                "SELECT r.id, s.key, s.value, r.import, t.id IS NOT NULL FROM json_each(?) s "
+                "CROSS JOIN recipient r ON r.datasource = ? AND r.email = s.key "
+                f"LEFT JOIN {temp}.import_touched t ON t.id = r.id", (chunk, importer.datasource)):
+            known.add(address)
+            updates.append((now, patch(address, data), recipient_id))
+            if source != importer.import_id and not seen:
+                touched.append((recipient_id,))
+        importer.updated += len(touched)
+        conn.executemany(f"INSERT INTO {temp}.import_touched (id) VALUES (?)", touched)
+        # The ids: SQLite's own (the largest + 1), or from the sequence's
+        # next one where an explicit id stands far ahead (see ID_REACH).
+        first = conn.next_id("recipient")
+        ids = ("", "") if first is None else ("id, ", f"{first - 1} + row_number() OVER (), ")
+        inserted = conn.execute(
+            f"INSERT INTO recipient ({ids[0]}datasource, email, import, created, updated, data) "
+            f"SELECT {ids[1]}?1, key, ?2, ?3, ?3, value FROM json_each(?4) WHERE 1 "
+            "ON CONFLICT DO NOTHING", (importer.datasource, importer.import_id, now, chunk)).rowcount
+        importer.inserted += inserted
+        conn.executemany("UPDATE recipient SET updated = ?, data = "
+                         f"{conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?",
+                         updates)
+        if importer.erased is not None and inserted:
+            importer.erased(conn, [address for address in json.loads(chunk) if address not in known])
+
+    def finish(self):
+        """Nothing is left open between chunks."""
+
+
+class _PgImportWrites:
+    """An import's chunks on PostgreSQL.  Into a datasource that was empty
+    when the import began, the rows go straight into recipient by one COPY
+    kept open (_CopyStream); else through a staging table (stage())."""
+
+    def __init__(self, importer):
+        self.importer = importer
+        importer.conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_rows "
+                              "(n integer, email citext, data text, patch text, id bigint)")
+        self.stream = None   # the _CopyStream, False when staging, None: not known yet
+
+    def flush(self, pending):
+        if self.stream is None:   # the first chunk: before this import wrote a recipient
+            importer = self.importer
+            empty = importer.conn.execute("SELECT NOT EXISTS (SELECT 1 FROM recipient "
+                                      "WHERE datasource = ?)", (importer.datasource,)).fetchone()[0]
+            self.stream = _CopyStream(self) if empty else False
+        if self.stream:
+            self.stream.write(pending)
+        else:
+            self.stage(pending)
+
+    def stage(self, pending):
+        """The chunk goes into a temporary table by COPY, then set-based
+        statements apply the same rules as _SqliteImportWrites: the new
+        addresses are inserted and leave the staging table; the known ones
+        left in it are counted and updated."""
+        importer = self.importer
+        conn, now = importer.conn, _now()
+        conn.execute("TRUNCATE pg_temp.import_rows")
+        with conn.raw.cursor() as cursor, cursor.copy(
+                "COPY pg_temp.import_rows (n, email, data, patch) FROM STDIN") as copy:
+            copy.write("".join([
+                f"{number}\t{address.translate(_COPY_TEXT)}\t"
+                f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
+                f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
+                for number, (address, keys, values) in enumerate(pending.values())]))
+        inserted = conn.execute(
+            "WITH added AS (INSERT INTO recipient (datasource, email, import, created, updated, "
+            "data) SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
+            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING RETURNING email) "
+            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
+            (importer.datasource, importer.import_id, now, now)).rowcount
+        importer.inserted += inserted
+        if importer.erased is not None:   # an erased address comes back unsubscribed
+            importer.erased(conn, [address for address, _, _ in pending.values()])
+        if inserted == len(pending):
+            return
+        # Each known address's id, by one probe of the unique index a row.  A
+        # join on (datasource, email) is planned from recipient's statistics,
+        # which know nothing of the rows this import added: with the table
+        # analyzed before it, the plan read the whole datasource per chunk
+        # (a 1M-row import into a new datasource did not end in 9 minutes).
+        conn.execute("UPDATE pg_temp.import_rows s SET id = (SELECT r.id FROM recipient r "
+                     "WHERE r.datasource = ? AND r.email = s.email)", (importer.datasource,))
+        conn.execute("ANALYZE pg_temp.import_rows")   # a few rows: the joins use the index
+        # Known recipients that this import has not updated yet count as updated.
+        importer.updated += conn.execute(
+            "INSERT INTO pg_temp.import_touched (id) SELECT r.id FROM recipient r "
+            "JOIN pg_temp.import_rows s ON s.id = r.id "
+            "WHERE r.import IS DISTINCT FROM ? ON CONFLICT DO NOTHING",
+            (importer.import_id,)).rowcount
+        conn.execute("UPDATE recipient r SET updated = ?, data = "
+                     f"{conn.sql['json_merge'].format(json='r.data', patch='s.patch')} "
+                     "FROM pg_temp.import_rows s WHERE s.id = r.id", (now,))
+
+    def finish(self):
+        """A streamed COPY ends here."""
+        if self.stream:
+            self.stream.end()
+
+
+class _CopyStream:
+    """The rows of an import into a datasource that was empty when it began,
+    written straight into recipient by one COPY that stays open from chunk to
+    chunk: the server stores a chunk while the next one is read and checked
+    (two cores at work instead of one after the other), and no staging table
+    or INSERT ... SELECT stands between.
+
+    Only addresses that are new to the import go this way; a repeat (or what
+    a filter of the addresses streamed so far takes for one) waits for the
+    end of the segment and then goes through stage(), in order, as an update.
+    The datasource may still have gained an address meanwhile (a sign-up):
+    each segment runs in a savepoint, and when the COPY ends in a conflict
+    the segment is rolled back and its chunks staged instead.
+
+    A segment ends (end()) when it holds SEGMENT_ROWS rows or a chunk of
+    repeats, at the import's finish(), and before the connection runs any
+    other statement (_PgConnection.copying): making a new field, marking
+    erased addresses, or the transaction's COMMIT or ROLLBACK (which drops it).
+    """
+
+    #: Rows a segment keeps for a conflict: bounds the memory and the rows
+    #: written again, and keeps the savepoints (subtransactions) few.
+    SEGMENT_ROWS = 50_000
+
+    #: The filter of the addresses streamed: 2 bits of 2**26 for each.  No
+    #: address is missed; at a million addresses 0.1% of new ones are taken
+    #: for repeats (and pay the staging path), at ten million 7%.
+    SEEN_BITS = 1 << 26
+
+    def __init__(self, writes):
+        self.writes, self.importer, self.conn = writes, writes.importer, writes.importer.conn
+        self.seen = bytearray(self.SEEN_BITS // 8)
+        self.copy = self.closing = None
+        self.chunks, self.repeats, self.rows = [], {}, 0
+
+    def _repeated(self, folded):
+        """Whether ``folded`` may have been seen (then or before); marks it seen."""
+        seen, mask, code = self.seen, self.SEEN_BITS - 1, hash(folded)
+        first, second = code & mask, (code >> 32) & mask
+        known = seen[first >> 3] >> (first & 7) & seen[second >> 3] >> (second & 7) & 1
+        seen[first >> 3] |= 1 << (first & 7)
+        seen[second >> 3] |= 1 << (second & 7)
+        return known
+
+    def write(self, pending):
+        fresh, repeats = {}, self.repeats
+        for folded, row in pending.items():
+            if not self._repeated(folded):
+                fresh[folded] = row
+            elif folded in repeats:   # a repeat of a repeat: merged as add() merges
+                repeats[folded] = _merged(repeats[folded], row)
+            else:
+                repeats[folded] = row
+        if fresh:
+            if self.copy is None:
+                self._begin()
+            importer, now = self.importer, _now()
+            source = "\\N" if importer.import_id is None else importer.import_id   # \N: NULL
+            start, middle = f"{importer.datasource}\t", f"\t{source}\t{now}\t{now}\t"
+            self.copy.write("".join([
+                f"{start}{address.translate(_COPY_TEXT)}{middle}"
+                f"{_data_json(keys, values).translate(_COPY_TEXT)}\n"
+                for address, keys, values in fresh.values()]))
+            self.chunks.append(fresh)
+            self.rows += len(fresh)
+            importer.inserted += len(fresh)  # taken back if the segment is staged instead
+        if self.rows >= self.SEGMENT_ROWS or len(repeats) >= CHUNK_ROWS:
+            self.end()
+
+    def _begin(self):
+        import psycopg.copy
+
+        self.conn.execute("SAVEPOINT import_stream")
+        self.closing = contextlib.ExitStack()
+        cursor = self.closing.enter_context(self.conn.raw.cursor())
+        # Queued: write() hands the data to a thread that sends it, so the
+        # next chunk is read while the server stores this one.
+        self.copy = self.closing.enter_context(cursor.copy(
+            "COPY recipient (datasource, email, import, created, updated, data) FROM STDIN",
+            writer=psycopg.copy.QueuedLibpqWriter(cursor)))
+        self.conn.copying = self.end
+
+    def end(self, rollback=False):
+        """End the segment: the COPY's rows kept (or, after a conflict, staged
+        instead), then the repeats staged.  ``rollback``: the transaction is
+        being rolled back, so drop it all."""
+        conn, importer = self.conn, self.importer
+        conn.copying = None
+        chunks, repeats, closing = self.chunks, self.repeats, self.closing
+        self.copy = self.closing = None
+        self.chunks, self.repeats, self.rows = [], {}, 0
+        if rollback:
+            if closing is not None:
+                with contextlib.suppress(Exception):
+                    closing.__exit__(RuntimeError, RuntimeError("rolled back"), None)
+            return
+        if closing is not None:
+            import psycopg
+
+            try:
+                closing.close()
+            except psycopg.errors.UniqueViolation:   # an address came from elsewhere meanwhile
+                conn.execute("ROLLBACK TO SAVEPOINT import_stream")
+                importer.inserted -= sum(map(len, chunks))
+                for chunk in chunks:   # every address of a chunk before its repeats
+                    self.writes.stage(chunk)
+            else:
+                if importer.erased is not None:   # an erased address comes back unsubscribed
+                    importer.erased(conn, [address for chunk in chunks
+                                           for address, _, _ in chunk.values()])
+            conn.execute("RELEASE SAVEPOINT import_stream")
+        if repeats:
+            self.writes.stage(repeats)
+
+
+# Kept public writes: the intake's storage --------------------------------------
+#
+# The public writes that could not wait for their locks (see _Intake) are
+# kept where the lock that stopped them does not reach, and applied in the
+# order they came.  Each connection class names its place (intake()).
+
+class _SqliteIntake:
+    """Kept public writes on SQLite: in a file of their own beside the
+    database (``<db>.intake``), which the database's one write lock (a big
+    import's) does not reach.  The last id applied is kept in the database,
+    in the transaction that applies it, so each is applied once, also when
+    the process dies between the two files.
+
+    :param db: the database file.
+    :param conn: a function giving this thread's connection to it.
+    :param wait: how long applying writes at once waits for the lock (ms).
+    """
+
+    def __init__(self, db, conn, wait):
+        self.db, self.conn, self.wait = db, conn, wait
+        self.path = f"{db}.intake"
+        self.local = threading.local()   # this thread's side and quick connections
+
+    def quick(self, conn):
+        """The connection for applying a request's writes at once: one of
+        this thread whose busy timeout is ``wait``."""
+        quick = getattr(self.local, "quick", None)
+        if quick is None:
+            quick = self.local.quick = connect(self.db)
+            quick.execute(f"PRAGMA busy_timeout = {self.wait}")
+        return quick
+
+    def quick_transaction(self, quick):
+        """A transaction on quick()'s connection: it waits ``wait`` for the lock."""
+        return transaction(quick)
+
+    def kept(self):
+        """Whether any writes are kept."""
+        if not os.path.exists(self.path):
+            return False
+        return self._side().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+
+    def keep(self, conn, rows):
+        """Keep ``rows``, ``(kind, payload JSON, created)``, after the others."""
+        _keep_intake(self._side(), rows)
+
+    def drain(self, conn, limit, apply):
+        """Hand up to ``limit`` kept writes, ``(kind, payload)`` the oldest
+        first, to ``apply`` in a transaction of ``conn`` and take them off;
+        how many were taken off."""
+        side = self._side()
+        rows = side.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
+                            (limit,)).fetchall()
+        if not rows:
+            return 0
+        with transaction(conn):
+            done = self._applied(conn)
+            apply([(row["kind"], json.loads(row["payload"])) for row in rows if row["id"] > done])
+            conn.execute("INSERT INTO setting (name, value) VALUES ('intake_applied', ?) "
+                         "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                         (str(rows[-1]["id"]),))
+        with transaction(side):
+            side.execute("DELETE FROM intake WHERE id <= ?", (rows[-1]["id"],))
+        return len(rows)
+
+    @staticmethod
+    def _applied(conn):
+        """The id of the last kept write the database applied (0: none)."""
+        row = conn.execute("SELECT value FROM setting WHERE name = 'intake_applied'").fetchone()
+        return int(row["value"]) if row else 0
+
+    def _side(self):
+        """This thread's connection to the side file, made on first use with
+        its ids starting after the last one the database applied."""
+        side = getattr(self.local, "intake", None)
+        if side is None:
+            side = connect(self.path)
+            try:
+                with transaction(side):
+                    if side.execute("SELECT 1 FROM sqlite_master WHERE name = 'intake'"
+                                    ).fetchone() is None:
+                        side.execute(_schema_table("intake"))
+                        side.execute("INSERT INTO sqlite_sequence (name, seq) VALUES "
+                                     "('intake', ?)", (self._applied(self.conn()),))
+            except BaseException:
+                side.close()
+                raise
+            self.local.intake = side
+        return side
+
+
+class _PgIntake:
+    """Kept public writes on PostgreSQL: in the intake table, which an
+    import's row locks do not reach; one drainer at a time (an advisory
+    lock) keeps the order across hosts.  Arguments as _SqliteIntake's."""
+
+    _LOCK = 0x696e7461   # 'inta': the advisory lock of one drainer
+
+    def __init__(self, db, conn, wait):
+        self.conn, self.wait = conn, wait
+
+    def quick(self, conn):
+        """The request's own connection (see quick_transaction())."""
+        return conn
+
+    @contextlib.contextmanager
+    def quick_transaction(self, conn):
+        """A transaction that waits at most ``wait`` for each lock."""
+        with transaction(conn):
+            conn.execute(f"SET LOCAL lock_timeout = {self.wait}")
+            yield conn
+
+    def kept(self):
+        return self.conn().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+
+    def keep(self, conn, rows):
+        _keep_intake(conn, rows)
+
+    def drain(self, conn, limit, apply):
+        with transaction(conn):
+            if not conn.execute("SELECT pg_try_advisory_xact_lock(?)",
+                                (self._LOCK,)).fetchone()[0]:
+                return 0
+            rows = conn.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
+                                (limit,)).fetchall()
+            apply([(row["kind"], json.loads(row["payload"])) for row in rows])
+            if rows:
+                conn.execute("DELETE FROM intake WHERE id IN "
+                             f"({conn.sql['json_ids'].format(array='?')})",
+                             (_to_json([row["id"] for row in rows]),))
+        return len(rows)
+
+
+def _keep_intake(store, rows):
+    with transaction(store):
+        store.executemany("INSERT INTO intake (kind, payload, created) VALUES (?, ?, ?)", rows)
 
 
 # ---------------------------------------------------------------------------
@@ -2088,9 +2624,6 @@ def _page(call):
     return call.get("limit", PAGE_DEFAULT), call.get("offset", 0)
 
 
-#: Compact JSON as every answer and stored JSON text is written: one encoder,
-#: made once (json.dumps with options builds a new one per call).
-_to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _envelope(response_id, success, data):
@@ -3733,20 +4266,12 @@ def recipient_values(fields, row):
 # Recipients, field changes, imports, exports, organize
 # ---------------------------------------------------------------------------
 
-#: Rows read, checked and written per executemany (imports, retypes).
-CHUNK_ROWS = 5000
 #: How many failing rows an import record or a 422 answer lists.
 ROWS_REPORTED = 100
 #: How long an export's download link works.
 EXPORT_LIFETIME = datetime.timedelta(days=7)
 #: Header names of the email column, compared without case, spaces, '-' or '_'.
 _EMAIL_COLUMNS = {"email", "emailaddress"}
-_ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
-
-
-def _nocase(address):
-    """An address as the recipient table compares it (SQLite NOCASE folds ASCII only)."""
-    return address.lower() if address.isascii() else address.translate(_ASCII_FOLD)
 
 
 # Recipients -----------------------------------------------------------------
@@ -4012,10 +4537,8 @@ class _Importer:
         # in a later chunk must not count again.
         conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_touched (id INTEGER PRIMARY KEY)")
         conn.execute(f"DELETE FROM {conn.sql['temp']}.import_touched")
-        if conn.engine == "postgresql":   # a chunk's rows, staged by COPY (see copy())
-            conn.execute("CREATE TEMP TABLE IF NOT EXISTS import_rows "
-                         "(n integer, email citext, data text, patch text, id bigint)")
-        self.stream = None   # PostgreSQL: the _CopyStream, False when staging, None: not known
+        # How the chunks reach recipient: the engine's way (_SqliteImportWrites).
+        self.writes = conn.import_writes(self)
 
     def report(self, number, error):
         if len(self.errors) < ROWS_REPORTED:
@@ -4100,301 +4623,14 @@ class _Importer:
         """Write the chunk: new addresses inserted, known ones updated (their
         values merged in, never their status), each counted once."""
         pending, self.pending = self.pending, {}
-        if not pending:
-            return
-        if self.conn.engine == "postgresql":
-            return self.copy(pending)
-        self.write(_chunk_json(pending), lambda address, data: _data_json(
-            *pending[_nocase(address)][1:], blank="null"))
-
-    def write(self, chunk, patch):
-        """flush() on SQLite, of ``chunk`` as _chunk_json() gives it: one
-        INSERT ... SELECT from json_each for the whole chunk (the C of SQLite
-        instead of one executemany step per row), the known addresses left to
-        ON CONFLICT and updated with ``patch(address, data)``, the JSON patch
-        of their new values (blank ones null)."""
-        conn, temp, now = self.conn, self.conn.sql["temp"], _now()
-        known, touched, updates = set(), [], []
-        for recipient_id, address, data, source, seen in conn.execute(
-                # CROSS JOIN: SQLite then loops over the chunk, looking each up
-                # in the unique index (not over the datasource's recipients).
-                "SELECT r.id, s.key, s.value, r.import, t.id IS NOT NULL FROM json_each(?) s "
-                "CROSS JOIN recipient r ON r.datasource = ? AND r.email = s.key "
-                f"LEFT JOIN {temp}.import_touched t ON t.id = r.id", (chunk, self.datasource)):
-            known.add(address)
-            updates.append((now, patch(address, data), recipient_id))
-            if source != self.import_id and not seen:
-                touched.append((recipient_id,))
-        self.updated += len(touched)
-        conn.executemany(f"INSERT INTO {temp}.import_touched (id) VALUES (?)", touched)
-        # The ids: SQLite's own (the largest + 1), or from the sequence's
-        # next one where an explicit id stands far ahead (see ID_REACH).
-        first = conn.next_id("recipient")
-        ids = ("", "") if first is None else ("id, ", f"{first - 1} + row_number() OVER (), ")
-        inserted = conn.execute(
-            f"INSERT INTO recipient ({ids[0]}datasource, email, import, created, updated, data) "
-            f"SELECT {ids[1]}?1, key, ?2, ?3, ?3, value FROM json_each(?4) WHERE 1 "
-            "ON CONFLICT DO NOTHING", (self.datasource, self.import_id, now, chunk)).rowcount
-        self.inserted += inserted
-        conn.executemany("UPDATE recipient SET updated = ?, data = "
-                         f"{conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?",
-                         updates)
-        if self.erased is not None and inserted:
-            self.erased(conn, [address for address in json.loads(chunk) if address not in known])
+        if pending:
+            self.writes.flush(pending)
 
     def finish(self):
         """The last flush: after it every row is written and the figures are
         final (on PostgreSQL a streamed COPY ends here)."""
         self.flush()
-        if self.stream:
-            self.stream.end()
-
-    def copy(self, pending):
-        """flush() on PostgreSQL.  Into a datasource that was empty when the
-        import began, the rows go straight into recipient by one COPY kept
-        open (_CopyStream); else through a staging table (stage())."""
-        if self.stream is None:   # the first chunk: before this import wrote a recipient
-            empty = self.conn.execute("SELECT NOT EXISTS (SELECT 1 FROM recipient "
-                                      "WHERE datasource = ?)", (self.datasource,)).fetchone()[0]
-            self.stream = _CopyStream(self) if empty else False
-        if self.stream:
-            self.stream.write(pending)
-        else:
-            self.stage(pending)
-
-    def stage(self, pending):
-        """The chunk goes into a temporary table by COPY, then set-based
-        statements apply the same rules as flush() on SQLite: the new
-        addresses are inserted and leave the staging table; the known ones
-        left in it are counted and updated."""
-        conn, now = self.conn, _now()
-        conn.execute("TRUNCATE pg_temp.import_rows")
-        with conn.raw.cursor() as cursor, cursor.copy(
-                "COPY pg_temp.import_rows (n, email, data, patch) FROM STDIN") as copy:
-            copy.write("".join([
-                f"{number}\t{address.translate(_COPY_TEXT)}\t"
-                f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
-                f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
-                for number, (address, keys, values) in enumerate(pending.values())]))
-        inserted = conn.execute(
-            "WITH added AS (INSERT INTO recipient (datasource, email, import, created, updated, "
-            "data) SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
-            "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING RETURNING email) "
-            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
-            (self.datasource, self.import_id, now, now)).rowcount
-        self.inserted += inserted
-        if self.erased is not None:   # an erased address comes back unsubscribed
-            self.erased(conn, [address for address, _, _ in pending.values()])
-        if inserted == len(pending):
-            return
-        # Each known address's id, by one probe of the unique index a row.  A
-        # join on (datasource, email) is planned from recipient's statistics,
-        # which know nothing of the rows this import added: with the table
-        # analyzed before it, the plan read the whole datasource per chunk
-        # (a 1M-row import into a new datasource did not end in 9 minutes).
-        conn.execute("UPDATE pg_temp.import_rows s SET id = (SELECT r.id FROM recipient r "
-                     "WHERE r.datasource = ? AND r.email = s.email)", (self.datasource,))
-        conn.execute("ANALYZE pg_temp.import_rows")   # a few rows: the joins use the index
-        # Known recipients that this import has not updated yet count as updated.
-        self.updated += conn.execute(
-            "INSERT INTO pg_temp.import_touched (id) SELECT r.id FROM recipient r "
-            "JOIN pg_temp.import_rows s ON s.id = r.id "
-            "WHERE r.import IS DISTINCT FROM ? ON CONFLICT DO NOTHING",
-            (self.import_id,)).rowcount
-        conn.execute("UPDATE recipient r SET updated = ?, data = "
-                     f"{conn.sql['json_merge'].format(json='r.data', patch='s.patch')} "
-                     "FROM pg_temp.import_rows s WHERE s.id = r.id", (now,))
-
-
-class _CopyStream:
-    """The rows of an import into a datasource that was empty when it began,
-    written straight into recipient by one COPY that stays open from chunk to
-    chunk: the server stores a chunk while the next one is read and checked
-    (two cores at work instead of one after the other), and no staging table
-    or INSERT ... SELECT stands between.
-
-    Only addresses that are new to the import go this way; a repeat (or what
-    a filter of the addresses streamed so far takes for one) waits for the
-    end of the segment and then goes through stage(), in order, as an update.
-    The datasource may still have gained an address meanwhile (a sign-up):
-    each segment runs in a savepoint, and when the COPY ends in a conflict
-    the segment is rolled back and its chunks staged instead.
-
-    A segment ends (end()) when it holds SEGMENT_ROWS rows or a chunk of
-    repeats, at the import's finish(), and before the connection runs any
-    other statement (_PgConnection.copying): making a new field, marking
-    erased addresses, or the transaction's COMMIT or ROLLBACK (which drops it).
-    """
-
-    #: Rows a segment keeps for a conflict: bounds the memory and the rows
-    #: written again, and keeps the savepoints (subtransactions) few.
-    SEGMENT_ROWS = 50_000
-
-    #: The filter of the addresses streamed: 2 bits of 2**26 for each.  No
-    #: address is missed; at a million addresses 0.1% of new ones are taken
-    #: for repeats (and pay the staging path), at ten million 7%.
-    SEEN_BITS = 1 << 26
-
-    def __init__(self, importer):
-        self.importer, self.conn = importer, importer.conn
-        self.seen = bytearray(self.SEEN_BITS // 8)
-        self.copy = self.closing = None
-        self.chunks, self.repeats, self.rows = [], {}, 0
-
-    def _repeated(self, folded):
-        """Whether ``folded`` may have been seen (then or before); marks it seen."""
-        seen, mask, code = self.seen, self.SEEN_BITS - 1, hash(folded)
-        first, second = code & mask, (code >> 32) & mask
-        known = seen[first >> 3] >> (first & 7) & seen[second >> 3] >> (second & 7) & 1
-        seen[first >> 3] |= 1 << (first & 7)
-        seen[second >> 3] |= 1 << (second & 7)
-        return known
-
-    def write(self, pending):
-        fresh, repeats = {}, self.repeats
-        for folded, row in pending.items():
-            if not self._repeated(folded):
-                fresh[folded] = row
-            elif folded in repeats:   # a repeat of a repeat: merged as add() merges
-                repeats[folded] = _merged(repeats[folded], row)
-            else:
-                repeats[folded] = row
-        if fresh:
-            if self.copy is None:
-                self._begin()
-            importer, now = self.importer, _now()
-            source = "\\N" if importer.import_id is None else importer.import_id   # \N: NULL
-            start, middle = f"{importer.datasource}\t", f"\t{source}\t{now}\t{now}\t"
-            self.copy.write("".join([
-                f"{start}{address.translate(_COPY_TEXT)}{middle}"
-                f"{_data_json(keys, values).translate(_COPY_TEXT)}\n"
-                for address, keys, values in fresh.values()]))
-            self.chunks.append(fresh)
-            self.rows += len(fresh)
-            importer.inserted += len(fresh)  # taken back if the segment is staged instead
-        if self.rows >= self.SEGMENT_ROWS or len(repeats) >= CHUNK_ROWS:
-            self.end()
-
-    def _begin(self):
-        import psycopg.copy
-
-        self.conn.execute("SAVEPOINT import_stream")
-        self.closing = contextlib.ExitStack()
-        cursor = self.closing.enter_context(self.conn.raw.cursor())
-        # Queued: write() hands the data to a thread that sends it, so the
-        # next chunk is read while the server stores this one.
-        self.copy = self.closing.enter_context(cursor.copy(
-            "COPY recipient (datasource, email, import, created, updated, data) FROM STDIN",
-            writer=psycopg.copy.QueuedLibpqWriter(cursor)))
-        self.conn.copying = self.end
-
-    def end(self, rollback=False):
-        """End the segment: the COPY's rows kept (or, after a conflict, staged
-        instead), then the repeats staged.  ``rollback``: the transaction is
-        being rolled back, so drop it all."""
-        conn, importer = self.conn, self.importer
-        conn.copying = None
-        chunks, repeats, closing = self.chunks, self.repeats, self.closing
-        self.copy = self.closing = None
-        self.chunks, self.repeats, self.rows = [], {}, 0
-        if rollback:
-            if closing is not None:
-                with contextlib.suppress(Exception):
-                    closing.__exit__(RuntimeError, RuntimeError("rolled back"), None)
-            return
-        if closing is not None:
-            import psycopg
-
-            try:
-                closing.close()
-            except psycopg.errors.UniqueViolation:   # an address came from elsewhere meanwhile
-                conn.execute("ROLLBACK TO SAVEPOINT import_stream")
-                importer.inserted -= sum(map(len, chunks))
-                for chunk in chunks:   # every address of a chunk before its repeats
-                    importer.stage(chunk)
-            else:
-                if importer.erased is not None:   # an erased address comes back unsubscribed
-                    importer.erased(conn, [address for chunk in chunks
-                                           for address, _, _ in chunk.values()])
-            conn.execute("RELEASE SAVEPOINT import_stream")
-        if repeats:
-            importer.stage(repeats)
-
-
-def _merged(earlier, later):
-    """Two rows ``(address, keys, values)`` of one address from different
-    chunks as one that an update applies at once: the later values win (blank
-    ones too), the earlier address stays (an update keeps the stored one)."""
-    if earlier[1] == later[1]:
-        return earlier[0], later[1], later[2]
-    values = {**dict(zip(earlier[1], earlier[2])), **dict(zip(later[1], later[2]))}
-    return earlier[0], tuple(values), tuple(values.values())
-
-
-#: COPY's text format: a backslash, tab, newline or carriage return escaped.
-_COPY_TEXT = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-
-
-_json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, like _to_json
-
-
-def _data_json(keys, values, *, blank=None):
-    """The JSON object text of field values for recipient.data, keyed by the
-    field ids ``keys``.  A blank value (None, or only whitespace as
-    convert_value() has it) is left out, or written as ``null`` when
-    ``blank="null"`` (json_patch then removes the key).
-
-    Written by hand, each value encoded by the json module, because it runs
-    for every imported row: a dict and its encoding cost three times as much
-    (and building the JSON in SQL, four).
-    """
-    members = []
-    for key, value in zip(keys, values):
-        if value.__class__ is str:
-            if value and not value.isspace():
-                members.append(f'"{key}":{_json_string(value)}')
-                continue
-        elif value is not None:
-            members.append(f'"{key}":{_to_json(value)}')
-            continue
-        if blank:
-            members.append(f'"{key}":{blank}')
-    return "{" + ",".join(members) + "}"
-
-
-def _chunk_json(pending):
-    """The rows of ``pending`` as flush() writes them on SQLite: one JSON object
-    ``{address: data}`` in their order, data as _data_json() has it.
-
-    Built a column at a time by C (the json module's string encoder, joins of
-    the columns with the key text between), because it runs for every
-    imported row; a row with a blank value, or a chunk whose rows name other
-    fields (a json upload), takes _data_json() row by row.
-    """
-    addresses, keyses, rows = zip(*pending.values())
-    keys = keyses[0]
-    if keyses.count(keys) != len(keyses):
-        return "{" + ",".join([f"{_json_string(address)}:{_data_json(keys, values)}"
-                               for address, keys, values in pending.values()]) + "}"
-    parts, blank = [map(_json_string, addresses)], set()
-    for at, (key, column) in enumerate(zip(keys, zip(*rows))):
-        if set(map(type, column)) == {str}:
-            encode = _json_string
-            if "" in column or any(map(str.isspace, column)):
-                blank.update(i for i, value in enumerate(column) if not value or value.isspace())
-        else:
-            encode = _to_json
-            blank.update(i for i, value in enumerate(column) if value is None or (
-                value.__class__ is str and (not value or value.isspace())))
-        parts += [itertools.repeat(f'{"," if at else ":{"}"{key}":'), map(encode, column)]
-    parts.append(itertools.repeat("}" if keys else ":{}"))
-    if not blank:
-        return "{" + ",".join(map("".join, zip(*parts))) + "}"
-    texts = list(map("".join, zip(*parts)))
-    for i in blank:
-        texts[i] = f"{_json_string(addresses[i])}:{_data_json(keys, rows[i])}"
-    return "{" + ",".join(texts) + "}"
-
+        self.writes.finish()
 
 def _picker(indexes):
     """A function of a row (list of cells) giving the cells at ``indexes`` as a tuple."""
@@ -4722,8 +4958,7 @@ def _import_csv(importer, raw):
     (a large one on SQLite through a child process: see _ChildReader)."""
     header, batches = _csv_records(raw)
     layout = _CsvLayout(importer, header, nul=b"\x00" in raw)
-    if importer.conn.engine == "sqlite" and len(raw) >= CHILD_READS_BYTES and \
-            hasattr(os, "fork"):
+    if importer.conn.forks_reader and len(raw) >= CHILD_READS_BYTES:
         return _ChildReader(importer, layout).run(batches)
     number = 1
     for records in batches:
@@ -4828,7 +5063,7 @@ class _ChildReader:
         if kind == "chunk":
             self.stored = True
             blanks = dict.fromkeys(self.layout.keys)
-            importer.write(data[0], lambda address, values: _to_json(
+            importer.writes.write(data[0], lambda address, values: _to_json(
                 {**blanks, **json.loads(values)}))
             return False
         if kind == "done":
@@ -4985,11 +5220,8 @@ def _export_get(call, child_id):
 
 
 def _export_folder(db):
-    if str(db).startswith(_PG_URL):
-        # Files of this host, served by this host: see README, PostgreSQL.
-        name = hashlib.sha256(str(db).encode()).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), f"campaignapi-{name}-exports")
-    return os.path.abspath(db) + "-exports"
+    """Where the export files of the database ``db`` go (its engine says)."""
+    return _connection_class(db).export_folder(db)
 
 
 def _run_export(call):
@@ -5058,18 +5290,12 @@ def _write_export(conn, datasource_id, path):
     # Field ids are integers from our own table, never request text.
     columns = "".join(", " + conn.sql["json_item"].format(json="data", key=int(field_id))
                       for field_id, _, _ in fields)
-    # PostgreSQL streams the rows through a server-side cursor, which lives
-    # in a (read-only) transaction; sqlite3 steps through them anyway.
-    streaming = conn.engine == "postgresql"
-    cursor = conn.cursor("export") if streaming else conn.cursor()
-    cursor.row_factory = None
     count = 0
     partial = path + ".part"
-    reading = transaction(conn) if streaming else contextlib.nullcontext()
     try:
-        # The cursor closes before the reading transaction ends.
-        with reading, contextlib.closing(cursor), \
+        with conn.reading("export") as cursor, \
                 open(partial, "w", newline="", encoding="utf-8") as file:
+            cursor.row_factory = None
             writer = csv.writer(file)
             writer.writerow(["email"] + [name for _, name, _ in fields])
             for row in cursor.execute(f"SELECT email{columns} FROM recipient WHERE datasource = ? "
@@ -6454,19 +6680,16 @@ def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
 # it (nor fail at the 30 s busy timeout).  So those routes read, check and
 # answer, and hand their writes to call.later(); the pipeline applies them in
 # one short transaction when its locks come within PUBLIC_WAIT, else keeps
-# them in the intake table (on SQLite in a file of its own beside the
-# database, which the import's lock does not reach) and a thread of the app
-# applies them in the order they came as soon as the lock is free.  While any
-# are kept, new ones queue behind them: an unsubscribe does not overtake the
-# sign-up before it.  On SQLite, the last id applied is kept in the database
-# in the transaction that applies it, so each is applied once, also when the
-# process dies between the two files.
+# them in the intake (the engine's place, which the import's locks do not
+# reach: _SqliteIntake, _PgIntake) and a thread of the app applies them in
+# the order they came as soon as the lock is free.  While any are kept, new
+# ones queue behind them: an unsubscribe does not overtake the sign-up
+# before it.
 
 #: How long a public write waits for its locks before it is kept for later (ms).
 PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
 INTAKE_CHUNK = 500
-_INTAKE_LOCK = 0x696e7461   # 'inta': the advisory lock of one drainer (PostgreSQL)
 
 
 class _Intake:
@@ -6477,6 +6700,8 @@ class _Intake:
     def __init__(self, service):
         self.service, self.lock, self.thread = service, threading.Lock(), None
         self.backlog = None   # whether any are kept; None: not looked yet
+        # Where they are kept: the engine's place (_SqliteIntake).
+        self.store = _connection_class(service.db).intake(service.db, service.conn, PUBLIC_WAIT)
         # Threads of the app take turns at writing here rather than in the
         # database's busy wait, and the one whose turn it is commits what the
         # others brought meanwhile too (group commit): one transaction for
@@ -6513,12 +6738,10 @@ class _Intake:
         return mine[2]
 
     def _commit(self, turn):
-        conn = self._quick(turn[0][0].conn)
+        conn = self.store.quick(turn[0][0].conn)
         apart = len(turn) > 1 or len(turn[0][1]) > 1
         try:
-            with transaction(conn):
-                if conn.engine == "postgresql":
-                    conn.execute(f"SET LOCAL lock_timeout = {PUBLIC_WAIT}")
+            with self.store.quick_transaction(conn):
                 for entry in turn:
                     call, items, _ = entry
                     read, call.conn = call.conn, conn
@@ -6546,12 +6769,7 @@ class _Intake:
 
     def kept(self):
         """Whether any writes are kept."""
-        if self.service.conn().engine == "postgresql":
-            return self.service.conn().execute("SELECT 1 FROM intake LIMIT 1").fetchone() \
-                is not None
-        if not os.path.exists(self._side_path()):
-            return False
-        return self._side().execute("SELECT 1 FROM intake LIMIT 1").fetchone() is not None
+        return self.store.kept()
 
     def drain(self, limit=INTAKE_CHUNK):
         """Apply up to ``limit`` kept writes, the oldest first, in one
@@ -6561,80 +6779,14 @@ class _Intake:
         """
         conn = self.service.conn()
         call = Call(conn, None, {}, self.service, "intake")
-        if conn.engine == "postgresql":
-            with transaction(conn):
-                # One drainer at a time keeps the order across hosts.
-                if not conn.execute("SELECT pg_try_advisory_xact_lock(?)",
-                                    (_INTAKE_LOCK,)).fetchone()[0]:
-                    return 0
-                rows = conn.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
-                                    (limit,)).fetchall()
-                _apply_later(call, [(row["kind"], json.loads(row["payload"])) for row in rows])
-                if rows:
-                    conn.execute("DELETE FROM intake WHERE id IN "
-                                 f"({conn.sql['json_ids'].format(array='?')})",
-                                 (_to_json([row["id"] for row in rows]),))
-        else:
-            side = self._side()
-            rows = side.execute("SELECT id, kind, payload FROM intake ORDER BY id LIMIT ?",
-                                (limit,)).fetchall()
-            if not rows:
-                return 0
-            with transaction(conn):
-                done = _intake_mark(conn)
-                _apply_later(call, [(row["kind"], json.loads(row["payload"])) for row in rows
-                                    if row["id"] > done])
-                conn.execute("INSERT INTO setting (name, value) VALUES ('intake_applied', ?) "
-                             "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                             (str(rows[-1]["id"]),))
-            with transaction(side):
-                side.execute("DELETE FROM intake WHERE id <= ?", (rows[-1]["id"],))
+        taken = self.store.drain(conn, limit, lambda items: _apply_later(call, items))
         if call.memo.get("events") and self.service.config["on_event"]:
             run_callbacks(self.service.config["on_event"], call.memo["events"])
-        return len(rows)
+        return taken
 
     def _keep(self, conn, items):
-        store = conn if conn.engine == "postgresql" else self._side()
         now = _now()
-        with transaction(store):
-            store.executemany("INSERT INTO intake (kind, payload, created) VALUES (?, ?, ?)",
-                              [(kind, _to_json(payload), now) for kind, payload in items])
-
-    def _quick(self, conn):
-        """The connection for applying a request's writes at once: on
-        PostgreSQL the request's (lock_timeout set in the transaction), on
-        SQLite one of this thread whose busy timeout is PUBLIC_WAIT."""
-        if conn.engine == "postgresql":
-            return conn
-        local = self.service._local
-        quick = getattr(local, "quick", None)
-        if quick is None:
-            quick = local.quick = connect(self.service.db)
-            quick.execute(f"PRAGMA busy_timeout = {PUBLIC_WAIT}")
-        return quick
-
-    def _side_path(self):
-        return f"{self.service.db}.intake"
-
-    def _side(self):
-        """This thread's connection to the SQLite side file, made on first use
-        with its ids starting after the last one the database applied."""
-        local = self.service._local
-        side = getattr(local, "intake", None)
-        if side is None:
-            side = connect(self._side_path())
-            try:
-                with transaction(side):
-                    if side.execute("SELECT 1 FROM sqlite_master WHERE name = 'intake'"
-                                    ).fetchone() is None:
-                        side.execute(_schema_table("intake"))
-                        side.execute("INSERT INTO sqlite_sequence (name, seq) VALUES "
-                                     "('intake', ?)", (_intake_mark(self.service.conn()),))
-            except BaseException:
-                side.close()
-                raise
-            local.intake = side
-        return side
+        self.store.keep(conn, [(kind, _to_json(payload), now) for kind, payload in items])
 
     def _start(self):
         """A draining thread, unless one runs (under self.lock)."""
@@ -6660,12 +6812,6 @@ class _Intake:
                 log.warning("kept public writes not applied yet: %s", error)
                 time.sleep(min(0.1 * 2 ** failures, 5.0))
         log.error("kept public writes: giving up for now; the next public write retries")
-
-
-def _intake_mark(conn):
-    """The id of the last kept write the SQLite database applied (0: none)."""
-    row = conn.execute("SELECT value FROM setting WHERE name = 'intake_applied'").fetchone()
-    return int(row["value"]) if row else 0
 
 
 def _transient(error):

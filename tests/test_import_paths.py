@@ -198,8 +198,8 @@ def test_a_failure_while_writing_stops_and_reaps_the_child(api, db, monkeypatch)
             raise campaignapi.Conflict("stop here")
         return write(self, chunk, patch)
 
-    write = campaignapi._Importer.write
-    monkeypatch.setattr(campaignapi._Importer, "write", fail_on_third)
+    write = campaignapi._SqliteImportWrites.write
+    monkeypatch.setattr(campaignapi._SqliteImportWrites, "write", fail_on_third)
     error = import_csv(api, ds, big_upload(30000), status=409)
     assert error["message"] == "stop here"
     assert scalar(db, "SELECT count(*) FROM recipient") == 0
@@ -231,8 +231,8 @@ def test_the_reading_child_keeps_no_socket_of_the_app_open(api, db, monkeypatch)
             seen.append(peer.recv(1))   # end of stream, unless a copy is open
         return write(self, chunk, patch)
 
-    write = campaignapi._Importer.write
-    monkeypatch.setattr(campaignapi._Importer, "write", closing_a_connection)
+    write = campaignapi._SqliteImportWrites.write
+    monkeypatch.setattr(campaignapi._SqliteImportWrites, "write", closing_a_connection)
     try:
         import_csv(api, ds, big_upload(30000))
     finally:

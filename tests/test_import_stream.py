@@ -32,7 +32,7 @@ def small_chunks(monkeypatch):
 def paths(monkeypatch):
     """How many chunks each path wrote: {"stream": n, "stage": n}."""
     counts = {"stream": 0, "stage": 0}
-    write, stage = campaignapi._CopyStream.write, campaignapi._Importer.stage
+    write, stage = campaignapi._CopyStream.write, campaignapi._PgImportWrites.stage
 
     def counted_write(self, pending):
         counts["stream"] += 1
@@ -43,7 +43,7 @@ def paths(monkeypatch):
         return stage(self, pending)
 
     monkeypatch.setattr(campaignapi._CopyStream, "write", counted_write)
-    monkeypatch.setattr(campaignapi._Importer, "stage", counted_stage)
+    monkeypatch.setattr(campaignapi._PgImportWrites, "stage", counted_stage)
     return counts
 
 
@@ -177,7 +177,7 @@ def test_an_address_stored_meanwhile_sends_the_segment_to_staging(api, db, small
     with database(db) as conn:
         with _importing(conn, ds, _new_import(conn, ds)) as importer:
             _rows(importer, addresses[:60])        # one chunk streamed, the COPY left open
-            assert importer.stream and importer.stream.copy is not None
+            assert importer.writes.stream and importer.writes.stream.copy is not None
             # Another writer stores one of the next addresses and commits.
             api.put(f"/datasource/{ds}/recipient/0", email="R70@example.com")
             _rows(importer, addresses[60:], 62)
@@ -197,7 +197,7 @@ def test_an_error_during_the_stream_leaves_nothing(api, db, small_chunks):
         with pytest.raises(ZeroDivisionError):
             with _importing(conn, ds) as importer:
                 _rows(importer, [f"r{i}@example.com" for i in range(110)])
-                assert importer.stream.copy is not None
+                assert importer.writes.stream.copy is not None
                 1 / 0
         assert conn.execute("SELECT count(*) FROM recipient").fetchone()[0] == 0
         # The connection's next transaction is a clean one.
@@ -222,7 +222,7 @@ def test_an_import_into_a_datasource_that_is_gone_fails_as_before(db, small_chun
     with database(db) as conn:
         with pytest.raises(campaignapi.INTEGRITY_ERRORS) as excinfo:
             with _importing(conn, 999) as importer:
-                importer.stream = None if stream else False
+                importer.writes.stream = None if stream else False
                 _rows(importer, [f"r{i}@example.com" for i in range(80)])
                 importer.finish()
     _fk_error(excinfo.value, 'insert or update on table "recipient" violates foreign key '
