@@ -2242,7 +2242,8 @@ class Route:
     writing transaction (the document marks it; a GET that writes).
     ``body_rules``: JSON Schema keywords added to the document's body schema
     where parameters depend on each other (``if``/``then``).  Each parameter
-    name is described once, in PARAM_DOCS (tests/test_openapi.py asks for it).
+    is described once: a record kind's own in its Resource's ``doc``, the
+    others in PARAM_DOCS (tests/test_openapi.py asks for it).
 
     ``later=True``: a public write (open, click, unsubscribe, sign-up,
     confirm) that must never wait for a lock: the handler runs outside a
@@ -3879,6 +3880,22 @@ def _same_id(call, name, value):
         raise Conflict(f"'{name}' must equal the id in the path ({value}).", field=name)
 
 
+# How a record reads in the OpenAPI document: a kind declares its
+# ``fields`` with these.
+
+_STRING_OR_NULL = {"type": ["string", "null"]}
+_FLAG_ANSWER = {"type": "string", "enum": ["0", "1"]}
+_ID_LIST = {"type": "array", "items": {"type": "string"}}
+
+
+def _record_schema(names, /, **special):
+    """A record as the API answers it: every field of ``names`` present,
+    each a string or null unless ``special`` gives its schema."""
+    names = names.split()
+    return {"type": "object", "required": names,
+            "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
+
+
 class Resource:
     """A kind of record, declared once.  Its Get, Create, Change and Delete
     are the methods below, used as route handlers; a handler is written by
@@ -3913,7 +3930,14 @@ class Resource:
         removing the row; ``stamped``: the table has ``created``.
     :param answer: the answer's key (default ``name``); ``one_as_list``: one
         record is answered as a list of one (as the original service's ``emt_campaign``).
-    :param schema: the OpenAPI schema of the record (default ``name``).
+    :param schema: the name of the record's OpenAPI schema (default ``name``);
+        ``fields``: that schema, the record as the API answers it
+        (``_record_schema()``: every field present, each a string or null
+        unless given otherwise).
+    :param doc: ``{parameter: (description, example[, schema keywords])}``:
+        what the kind's own parameters mean, for the OpenAPI document (a
+        list's ``items``, say).  Names that several kinds or other routes
+        share (``name``, ``id``, paging) are described in PARAM_DOCS.
     """
 
     #: Every kind by name: a child route's path names its parent's kind.
@@ -3924,7 +3948,7 @@ class Resource:
                  select="*", source=None, order="id", selectors=None, filters=None,
                  after_create=None, after_change=None, on_delete=None, soft_delete=None,
                  stamped=True, label=None, answer=None, one_as_list=False, by_name=False,
-                 schema=None):
+                 schema=None, fields=None, doc=None):
         self.name, self.table, self.shape = name, table, shape
         self.columns, self.required, self.extra = columns.split(), required.split(), extra or {}
         self.column_names = [spec.partition(":")[0] for spec in self.columns]
@@ -3938,6 +3962,7 @@ class Resource:
         self.stamped, self.by_name = stamped, by_name
         self.label = label or name
         self.answer, self.one_as_list, self.schema = answer or name, one_as_list, schema or name
+        self.fields, self.doc = fields, doc or {}
         # Owned records are found by (id, owner), child records by (id, parent).
         self.scope_column = f"{table}.{parent_key}" if parent else f"{table}.owner"
         Resource.kinds[name] = self
@@ -4166,6 +4191,9 @@ def _add_fields(call, datasource):
                            "change its type with the modify operation.", field="fields")
 
 
+#: A field's type, as records answer it.
+_FIELD_TYPE = {"type": "string", "enum": list(FIELD_TYPES)}
+
 DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
     columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
@@ -4173,7 +4201,31 @@ DATASOURCE = Resource(
     required="name",
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
     selectors={"import": "origin = 'import'"}, values=_datasource_values,
-    after_create=_add_fields, after_change=_add_fields)
+    after_create=_add_fields, after_change=_add_fields,
+    fields=_record_schema(
+        "id owner name description origin fields recipients created deleted signup doubleoptin "
+        "confirmmessage welcomemessage fromprofile",
+        origin={"type": "string", "enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
+        signup=_FLAG_ANSWER, doubleoptin=_FLAG_ANSWER,
+        fields={"type": "array", "items": {"$ref": "#/components/schemas/field"}}),
+    doc={
+        "origin": ("Where the datasource's recipients come from.", "import"),
+        "fields": ("Fields to add, each {name, type}; the email field always exists.",
+                   [{"name": "city", "type": "text"}],
+                   {"items": {"type": "object", "required": ["name"],
+                              "additionalProperties": False, "properties": {
+                                  "name": {"type": "string", "pattern":
+                                           "^[^{}\\r\\n\\x00]*[^{}\\s\\x00][^{}\\r\\n\\x00]*$",
+                                           "maxLength": 200},
+                                  "type": {**_FIELD_TYPE, "default": "text"}}}}),
+        "signup": ("1: the datasource takes public sign-ups (needs a fromprofile).", "0"),
+        "doubleoptin": ("1: a sign-up stays unconfirmed until the link in its confirmation email "
+                        "is followed (the default).", "1"),
+        "confirmmessage": ("The message of the confirmation email; it must carry "
+                           "{{confirm_url}}. Empty: a built-in plain email.", ""),
+        "welcomemessage": ("The message sent once a sign-up is active. Empty: none.", ""),
+        "fromprofile": ("The sender profile that confirmation and welcome emails go out as.",
+                        1)})
 
 
 _DATETIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M")
@@ -4432,7 +4484,23 @@ RECIPIENT = Resource("recipient", "recipient", _recipient_record,
                      values=_recipient_values, after_create=_recipient_event,
                      after_change=_recipient_changed, on_delete=_erase_recipient,
                      filters={"status:" + "|".join(RECIPIENT_STATUSES): "status = ?",
-                              "email:str": "email = ?"})
+                              "email:str": "email = ?"},
+                     fields=_record_schema(
+                         "id datasource email fields status created updated",
+                         fields={"type": "object", "additionalProperties": _STRING_OR_NULL,
+                                 "description": "field name -> value (as text)"},
+                         status={"type": "string", "enum": list(RECIPIENT_STATUSES)}),
+                     doc={
+                         "fields": ("The recipient's values by field name (fields the "
+                                    "datasource has), each typed by its field's type.",
+                                    {"city": "Oslo"}),
+                         "status": ("A recipient's status. On a listing: only recipients with "
+                                    "it. On create: active or unconfirmed. On change: "
+                                    "unsubscribed (never back to active once unsubscribed, "
+                                    "bounced or complained).", "active"),
+                         "email": ("An address. On a listing: only the recipient with it "
+                                   "(without case). On create and change: the recipient's "
+                                   "address.", "ann@example.com")})
 
 
 # Field changes --------------------------------------------------------------
@@ -4444,7 +4512,9 @@ def _field_record(call, row):
 
 #: A datasource's field, named in paths by its id or its name (without case).
 FIELD = Resource("field", "field", _field_record, parent=DATASOURCE, parent_key="datasource",
-                 by_name=True)
+                 by_name=True,
+                 fields=_record_schema("id name type", id={"type": "string"},
+                                       name={"type": "string"}, type=_FIELD_TYPE))
 
 
 def _field_modify(call, child_id):
@@ -5193,7 +5263,14 @@ def _remove_imported(call, row):
 #: Create is _import_create(): an import is made by reading its upload.
 IMPORT = Resource("import", "import", _import_record, parent=DATASOURCE, parent_key="datasource",
                   columns="name:str originalfile:str", repeat={"change": "id!", "delete": "id!"},
-                  on_delete=_remove_imported)
+                  on_delete=_remove_imported,
+                  fields=_record_schema(
+                      "id datasource name originalfile uploadtype status rows inserted updated "
+                      "skipped errors created finished",
+                      errors={"type": "array", "items": {
+                          "type": "object", "required": ["row", "error"],
+                          "properties": {"row": {"type": "string"},
+                                         "error": {"type": "string"}}}}))
 
 
 # Exports --------------------------------------------------------------------
@@ -5206,7 +5283,8 @@ def _export_record(call, row):
             "expires": row["expires"], "created": row["created"], "finished": row["finished"]}
 
 
-EXPORT = Resource("export", "export", _export_record, parent=DATASOURCE, parent_key="datasource")
+EXPORT = Resource("export", "export", _export_record, parent=DATASOURCE, parent_key="datasource",
+                  fields=_record_schema("id datasource status rows url expires created finished"))
 
 
 def _export_get(call, child_id):
@@ -5362,7 +5440,12 @@ def _organize_values(call, row):
 ORGANIZE = Resource("organize", "organize", _organize_record, parent=DATASOURCE, parent_key="item",
                     columns="folder:str sortorder:int", required="folder sortorder",
                     parent_param="item", single=True, repeat={"change": "id!"},
-                    values=_organize_values, stamped=False, label="organize record")
+                    values=_organize_values, stamped=False, label="organize record",
+                    fields=_record_schema("id item folder sortorder"),
+                    doc={
+                        "item": ("The id of the record to place in a folder.", 1),
+                        "folder": ("The folder's name.", "Customers"),
+                        "sortorder": ("The position within the folder.", 1)})
 
 
 # ---------------------------------------------------------------------------
@@ -5384,10 +5467,21 @@ def _plain_record(call, row):
 #: it can be sent.
 MESSAGE = Resource("message", "message", _plain_record,
                    columns="name:str subject:str fromname:str fromaddress:email replyto:email "
-                           "html:text text:text", repeat={"delete": "id"})
+                           "html:text text:text", repeat={"delete": "id"},
+                   fields=_record_schema(
+                       "id owner name subject fromname fromaddress replyto html text created "
+                       "deleted", deleted=_FLAG_ANSWER),
+                   doc={
+                       "subject": ("The email's subject line; may hold merge tags such as "
+                                   "{{city}}.", "News for {{city}}"),
+                       "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
+                                "<p>Hello from {{city}}</p>"),
+                       "text": ("The plain-text body; merge tags {{field}} are filled per "
+                                "recipient.", "Hello from {{city}}")})
 ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
                           columns="name:str fromname:str fromaddress:email replyto:email",
-                          repeat={"delete": "id"}, label="sender profile")
+                          repeat={"delete": "id"}, label="sender profile",
+                          fields=_record_schema("id owner name fromname fromaddress replyto"))
 
 
 # ---------------------------------------------------------------------------
@@ -5411,8 +5505,23 @@ def _template_values(call, row):
     return values
 
 
+#: What a template's html and text must be, for the OpenAPI document: '' or
+#: holding {{content}} exactly once (as check_template() requires).
+_CONTENT_TAG = r"\{\{\s*[cC][oO][nN][tT][eE][nN][tT]\s*\}\}"
+_CONTENT_ONCE = {"allOf": [{"pattern": r"^$|^(?![\s\S]*" + _CONTENT_TAG + r"[\s\S]*" + _CONTENT_TAG
+                                       + r")[\s\S]*" + _CONTENT_TAG + r"[\s\S]*$"}]}
+
 TEMPLATE = Resource("template", "template", _plain_record, columns="name:str html:text text:text",
-                    values=_template_values, repeat={"delete": "id"})
+                    values=_template_values, repeat={"delete": "id"},
+                    fields=_record_schema("id owner name html text created deleted",
+                                          deleted=_FLAG_ANSWER),
+                    doc={
+                        "html": ("The template's HTML, holding {{content}} once, where the "
+                                 "message goes; '' for none.",
+                                 "<html><body>{{content}}</body></html>", _CONTENT_ONCE),
+                        "text": ("The template's plain text, holding {{content}} once, where the "
+                                 "message goes; '' for none.", "{{content}}\n-- \nExample Shop",
+                                 _CONTENT_ONCE)})
 
 
 # ---------------------------------------------------------------------------
@@ -5593,9 +5702,48 @@ def _segment_record(call, row):
             "deleted": str(row["deleted"])}
 
 
+#: A condition as a segment answers it.
+_CONDITION = {"type": "object", "required": ["field", "op"], "properties": {
+    "field": {"type": "string", "description": "a field name of the segment's datasources"},
+    "op": {"type": "string", "enum": list(SEGMENT_OPS)},
+    "value": {"type": ["string", "null"],
+              "description": "what the field is compared with (null for empty and notempty)"}}}
+
+#: A condition as a create or change takes it: with a value, or (empty,
+#: notempty) without one.
+_CONDITION_WITH_VALUE = {
+    "type": "object", "required": ["field", "op", "value"], "additionalProperties": False,
+    "properties": {
+        "field": {"type": "string", "pattern": "\\S"},
+        "op": {"type": "string", "enum": [op for op in SEGMENT_OPS
+                                          if op not in ("empty", "notempty")]},
+        "value": {"anyOf": [{"type": "string",
+                             "pattern": "^[^\\r\\n\\x00]*[^\\s\\x00][^\\r\\n\\x00]*$"},
+                            {"type": "number"}, {"type": "boolean"}]}}}
+_CONDITION_WITHOUT_VALUE = {
+    "type": "object", "required": ["field", "op"], "additionalProperties": False,
+    "properties": {"field": {"type": "string", "pattern": "\\S"},
+                   "op": {"type": "string", "enum": ["empty", "notempty"]},
+                   "value": {"description": "ignored"}}}
+
 SEGMENT = Resource("segment", "segment", _segment_record,
                    columns="name:str datasources:list@datasource match:all|any conditions:list",
-                   values=_segment_values, repeat={"delete": "id"})
+                   values=_segment_values, repeat={"delete": "id"},
+                   fields=_record_schema(
+                       "id owner name datasources match conditions size created deleted",
+                       datasources=_ID_LIST, match={"type": "string", "enum": ["all", "any"]},
+                       deleted=_FLAG_ANSWER, conditions={"type": "array", "items": _CONDITION}),
+                   doc={
+                       "datasources": ("The ids of the datasources whose recipients the segment "
+                                       "selects.", [1], {"items": {"anyOf": [
+                                           {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                                           {"type": "string", "pattern": "^[0-9]{1,18}$"}]}}),
+                       "match": ("all: a recipient must meet every condition; any: at least one.",
+                                 "all"),
+                       "conditions": ("Conditions on field values; none selects every active "
+                                      "recipient.", [{"field": "city", "op": "eq", "value": "Oslo"}],
+                                      {"items": {"anyOf": [_CONDITION_WITH_VALUE,
+                                                           _CONDITION_WITHOUT_VALUE]}})})
 
 
 # ---------------------------------------------------------------------------
@@ -5648,7 +5796,34 @@ CAMPAIGN = Resource(
            "AND batch.status = 'scheduled') AS scheduled",
     after_change=_cancel_if_unscheduled,
     on_delete=lambda call, row: cancel_batches(call.conn, row["id"]),
-    answer="emt_campaign", one_as_list=True)
+    answer="emt_campaign", one_as_list=True,
+    fields=_record_schema(
+        "id owner accountprofile name description enabled scheduled archiveemail "
+        "defaulttemplate created deleted thumbnail archiveid tracking",
+        enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
+        tracking=_FLAG_ANSWER),
+    doc={
+        "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
+        "enabled": ("1 when the campaign may send.", "1"),
+        "scheduled": ("Only 0: cancels the planned send (a campaign is scheduled by sending it).",
+                      "0", {"anyOf": [{"type": "string", "enum": ["0", "false"]},
+                                      {"type": "integer", "enum": [0]},
+                                      {"type": "boolean", "enum": [False]}]}),
+        "archiveemail": ("An address that gets a copy of every batch ('' for none).",
+                         "archive@example.com"),
+        "defaulttemplate": ("The template the campaign's messages are wrapped in: '' (none), a "
+                            "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
+                            "the server's templates folder ('NAME.html' is NAME too). A text of "
+                            "digits is an id. Surrounding spaces are trimmed.", "",
+                            {"anyOf": [
+                                {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                                {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
+                                 "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + TEMPLATE_NAME_REFUSED
+                                 + "]*$"}]}),
+        "thumbnail": ("A URL of a picture of the campaign, for people.",
+                      "https://example.com/thumb.png"),
+        "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
+                     "0")})
 
 
 # ---------------------------------------------------------------------------
@@ -5692,7 +5867,15 @@ LINK = Resource(
            "JOIN message ON message.id = campaign_message.message AND message.owner = campaign.owner "
            "JOIN segment ON segment.id = campaign_message.segment AND segment.owner = campaign.owner",
     order="campaign_message.priority, campaign_message.id",
-    stamped=False, answer="message", schema="campaignmessage")
+    stamped=False, answer="message", schema="campaignmessage",
+    fields=_record_schema("id campaign segment message priority subject name"),
+    doc={
+        "segment": ("The id of the segment that gets the message.", 1),
+        "message": ("The id of the message to send.", 1),
+        "priority": ("Lower goes first: an address in two segments of the campaign gets only "
+                     "the message of the segment with the lower priority.", 1),
+        "segmentmessageid": ("The campaign message's id again, as in the path.", 1),
+        "segmentmessagehack": ("The campaign message's id again, as in the path.", 1)})
 
 
 def campaign_links(conn, campaign_id):
@@ -6360,8 +6543,32 @@ def _batch_record(conn, batch, with_messages=True, figures=None):
     return record
 
 
+# A batch's record as the API answers it (the archive's is made of these too).
+_COUNT = {"type": "string", "pattern": "^[0-9]+$"}
+#: The statistics of an archive and a batch archive (_statistics_record()).
+_STATISTICS_SCHEMAS = {
+    **dict.fromkeys(STATISTICS, _COUNT),
+    "links": {"type": "array", "items": {
+        "type": "object", "required": ["url", "clicks", "clicked"],
+        "properties": {"url": {"type": "string"}, "clicks": _COUNT, "clicked": _COUNT}}},
+    "timeline": {"type": "array", "items": {
+        "type": "object", "required": ["hour", "opens", "clicks"],
+        "properties": {"hour": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2} "
+                                                            "[0-9]{2}:00:00$"},
+                       "opens": _COUNT, "clicks": _COUNT}}}}
+_BATCH_SCHEMA = _record_schema(
+    "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline "
+    "created finished",
+    status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]},
+    **_STATISTICS_SCHEMAS)
+
 BATCH = Resource("batcharchive", "batch", lambda call, row: _batch_record(call.conn, row),
-                 parent=CAMPAIGN, parent_key="campaign", label="batch")
+                 parent=CAMPAIGN, parent_key="campaign", label="batch",
+                 fields={**_BATCH_SCHEMA,
+                         "required": [*_BATCH_SCHEMA["required"], "messages"],
+                         "properties": {**_BATCH_SCHEMA["properties"], "messages": {
+                             "type": "array",
+                             "items": _record_schema("message subject html text")}}})
 
 
 def _archive_get(call, child_id):
@@ -9630,11 +9837,65 @@ def _abandon_deliveries(call, row):
         "WHERE webhook = ? AND status = 'pending'", (_now(), row["id"]))
 
 
+def _any_case(text):
+    """A regular expression that matches ``text`` in any ASCII case (JSON
+    Schema patterns take no flags)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in text)
+
+
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+#: The IPv4 literals that _address_problem() refuses without
+#: webhook_allow_private, by their leading octets (tests/test_openapi.py
+#: checks each against it).
+_PRIVATE_IPV4 = (("0",), ("10",), ("127",), ("169", "254"), ("172", "(1[6-9]|2[0-9]|3[01])"),
+                 ("192", "168"), ("100", "(6[4-9]|[7-9][0-9]|1[01][0-9]|12[0-7])"),
+                 ("(22[4-9]|2[3-5][0-9])",), ("192", "0", "2"), ("198", "1[89]"),
+                 ("198", "51", "100"), ("203", "0", "113"))
+#: ... and the IPv6 ones: ::, ::1, and fc00::/7, fe80::/10, fec0::/10, ff00::/8.
+_PRIVATE_IPV6 = r"::1?|[fF][c-fC-F][0-9a-fA-F]{2}:[^\]]*"
+
+
+def webhook_url_schema(allow_private=False):
+    """The JSON schema of a webhook's ``url`` as the server takes it: http or
+    https, a host, no user name; and, under ``not``, the URLs whose host is
+    itself an address a webhook may not call (a literal address, or
+    localhost).  A name that resolves to such an address is refused the same
+    way, but only DNS knows which names do.
+
+    :param allow_private: the setting ``webhook_allow_private``: only the
+        cloud metadata addresses are refused.
+    """
+    hosts = [re.escape(str(ip)) + r"\.?" if ip.version == 4 else r"\[" + _any_case(str(ip)) + r"\]"
+             for ip in sorted(_METADATA_ADDRESSES, key=str)]
+    if not allow_private:
+        hosts += [_any_case("localhost") + r"\.?", r"\[(" + _PRIVATE_IPV6 + r")\]"]
+        hosts += [r"\.".join([*octets, *[_OCTET] * (4 - len(octets))]) + r"\.?"
+                  for octets in _PRIVATE_IPV4]
+    return {"format": "uri", "pattern": "^[hH][tT][tT][pP][sS]?://[^/?#@\\s]+([/?#][^\\s]*)?$",
+            "not": {"pattern": "^[hH][tT][tT][pP][sS]?://(" + "|".join(hosts)
+                               + ")(:[0-9]*)?([/?#]|$)"}}
+
+
 WEBHOOK = Resource(
     "webhook", "webhook", _webhook_record, columns="url:str events:list enabled:flag",
     required="url", values=_webhook_values, after_create=_webhook_secret,
     on_delete=_abandon_deliveries,
-    select="id, owner, url, events, enabled, lastattempt, lasterror, failures, created, deleted")
+    select="id, owner, url, events, enabled, lastattempt, lasterror, failures, created, deleted",
+    fields=_record_schema(
+        "id owner url events enabled lastattempt lasterror failures created deleted",
+        events={"type": "array", "items": {"type": "string", "enum": list(EVENT_KINDS)},
+                "description": "the kinds it gets; empty: every kind"},
+        enabled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
+    doc={
+        "url": ("Where events are POSTed: http or https. A URL whose host is, or resolves to, a "
+                "loopback, private, link-local or reserved address is refused (400) unless the "
+                "setting webhook_allow_private allows them, and a cloud metadata address always "
+                "is; the schema's 'not' names the literal ones. A host that does not resolve is "
+                "409.", "https://hooks.example.com/campaigns", webhook_url_schema()),
+        "events": ("The event kinds the webhook gets; empty: every kind.",
+                   ["recipient.unsubscribed"], {"items": {"type": "string",
+                                                          "enum": list(EVENT_KINDS)}}),
+        "enabled": ("1: events are sent; 0: they wait (paused).", "1")})
 
 
 def deliver_webhooks(db, *, allow_private=False, timeout=HOOK_TIMEOUT, lease=HOOK_LEASE,
@@ -9903,85 +10164,16 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
 # OpenAPI
 # ---------------------------------------------------------------------------
 
-_STRING_OR_NULL = {"type": ["string", "null"]}
-_FLAG_ANSWER = {"type": "string", "enum": ["0", "1"]}
-_ID_LIST = {"type": "array", "items": {"type": "string"}}
 _DIGITS = {"type": "string", "pattern": "^[0-9]+$"}
 
 
-def _record_schema(names, /, **special):
-    """A record as the API answers it: every field of ``names`` present,
-    each a string or null unless ``special`` gives its schema."""
-    names = names.split()
-    return {"type": "object", "required": names,
-            "properties": {name: special.get(name, _STRING_OR_NULL) for name in names}}
 
-
-_FIELD_TYPE = {"type": "string", "enum": list(FIELD_TYPES)}
-_CONDITION = {"type": "object", "required": ["field", "op"], "properties": {
-    "field": {"type": "string", "description": "a field name of the segment's datasources"},
-    "op": {"type": "string", "enum": list(SEGMENT_OPS)},
-    "value": {"type": ["string", "null"],
-              "description": "what the field is compared with (null for empty and notempty)"}}}
-_COUNT = {"type": "string", "pattern": "^[0-9]+$"}
-#: The statistics of an archive and a batch archive (_statistics_record()).
-_STATISTICS_SCHEMAS = {
-    **dict.fromkeys(STATISTICS, _COUNT),
-    "links": {"type": "array", "items": {
-        "type": "object", "required": ["url", "clicks", "clicked"],
-        "properties": {"url": {"type": "string"}, "clicks": _COUNT, "clicked": _COUNT}}},
-    "timeline": {"type": "array", "items": {
-        "type": "object", "required": ["hour", "opens", "clicks"],
-        "properties": {"hour": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2} "
-                                                            "[0-9]{2}:00:00$"},
-                       "opens": _COUNT, "clicks": _COUNT}}}}
-_BATCH_SCHEMA = _record_schema(
-    "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline "
-    "created finished",
-    status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]},
-    **_STATISTICS_SCHEMAS)
-
-#: The records of the API as JSON schemas, by kind.
+#: The records that the operations which are not CRUD answer, as JSON
+#: schemas by name (a record kind's schema is its Resource's ``fields``).
 RECORD_SCHEMAS = {
-    "datasource": _record_schema(
-        "id owner name description origin fields recipients created deleted signup doubleoptin "
-        "confirmmessage welcomemessage fromprofile",
-        origin={"type": "string", "enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
-        signup=_FLAG_ANSWER, doubleoptin=_FLAG_ANSWER,
-        fields={"type": "array", "items": {"$ref": "#/components/schemas/field"}}),
-    "recipient": _record_schema(
-        "id datasource email fields status created updated",
-        fields={"type": "object", "additionalProperties": _STRING_OR_NULL,
-                "description": "field name -> value (as text)"},
-        status={"type": "string", "enum": list(RECIPIENT_STATUSES)}),
-    "field": _record_schema("id name type", id={"type": "string"}, name={"type": "string"},
-                            type=_FIELD_TYPE),
-    "import": _record_schema(
-        "id datasource name originalfile uploadtype status rows inserted updated skipped "
-        "errors created finished",
-        errors={"type": "array", "items": {"type": "object", "required": ["row", "error"],
-                                           "properties": {"row": {"type": "string"},
-                                                          "error": {"type": "string"}}}}),
-    "export": _record_schema("id datasource status rows url expires created finished"),
-    "organize": _record_schema("id item folder sortorder"),
-    "message": _record_schema(
-        "id owner name subject fromname fromaddress replyto html text created deleted",
-        deleted=_FLAG_ANSWER),
-    "segment": _record_schema(
-        "id owner name datasources match conditions size created deleted",
-        datasources=_ID_LIST, match={"type": "string", "enum": ["all", "any"]},
-        deleted=_FLAG_ANSWER, conditions={"type": "array", "items": _CONDITION}),
-    "accountprofile": _record_schema("id owner name fromname fromaddress replyto"),
-    "template": _record_schema("id owner name html text created deleted", deleted=_FLAG_ANSWER),
     "preview": _record_schema(
         "campaign link recipient subject html text headers",
         headers={"type": "object", "additionalProperties": {"type": "string"}}),
-    "campaign": _record_schema(
-        "id owner accountprofile name description enabled scheduled archiveemail "
-        "defaulttemplate created deleted thumbnail archiveid tracking",
-        enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
-        tracking=_FLAG_ANSWER),
-    "campaignmessage": _record_schema("id campaign segment message priority subject name"),
     "structure": _record_schema(
         "id campaign segments",
         segments={"type": "array", "items": {"type": "object", "properties": {
@@ -9995,18 +10187,9 @@ RECORD_SCHEMAS = {
         checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
     "check": _record_schema("check passed message", check={"type": "string"},
                             passed=_FLAG_ANSWER, message={"type": "string"}),
-    "batcharchive": {**_BATCH_SCHEMA, "required": [*_BATCH_SCHEMA["required"], "messages"],
-                     "properties": {
-        **_BATCH_SCHEMA["properties"],
-        "messages": {"type": "array", "items": _record_schema("message subject html text")}}},
     "archive": _record_schema("id campaign batches " + " ".join(STATISTICS) + " links timeline",
                               batches={"type": "array", "items": _BATCH_SCHEMA},
                               **_STATISTICS_SCHEMAS),
-    "webhook": _record_schema(
-        "id owner url events enabled lastattempt lasterror failures created deleted",
-        events={"type": "array", "items": {"type": "string", "enum": list(EVENT_KINDS)},
-                "description": "the kinds it gets; empty: every kind"},
-        enabled=_FLAG_ANSWER, deleted=_FLAG_ANSWER),
 }
 
 #: Success data of a create: the new record's id.
@@ -10020,6 +10203,12 @@ _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
                                   "secret": {"type": "string", "pattern": "^whsec_"}}}
 
 
+def _record_schemas():
+    """Every record's JSON schema by name: each kind's, and RECORD_SCHEMAS."""
+    return {**{kind.schema: kind.fields for kind in Resource.kinds.values() if kind.fields},
+            **RECORD_SCHEMAS}
+
+
 def records_answer(key, kind):
     """Success data that lists records of ``kind`` under ``key`` for one id as
     for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
@@ -10031,50 +10220,13 @@ def records_answer(key, kind):
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
 
 
-def _any_case(text):
-    """A regular expression that matches ``text`` in any ASCII case (JSON
-    Schema patterns take no flags)."""
-    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else re.escape(c) for c in text)
-
-
-_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-#: The IPv4 literals that _address_problem() refuses without
-#: webhook_allow_private, by their leading octets (tests/test_openapi.py
-#: checks each against it).
-_PRIVATE_IPV4 = (("0",), ("10",), ("127",), ("169", "254"), ("172", "(1[6-9]|2[0-9]|3[01])"),
-                 ("192", "168"), ("100", "(6[4-9]|[7-9][0-9]|1[01][0-9]|12[0-7])"),
-                 ("(22[4-9]|2[3-5][0-9])",), ("192", "0", "2"), ("198", "1[89]"),
-                 ("198", "51", "100"), ("203", "0", "113"))
-#: ... and the IPv6 ones: ::, ::1, and fc00::/7, fe80::/10, fec0::/10, ff00::/8.
-_PRIVATE_IPV6 = r"::1?|[fF][c-fC-F][0-9a-fA-F]{2}:[^\]]*"
-
-
-def webhook_url_schema(allow_private=False):
-    """The JSON schema of a webhook's ``url`` as the server takes it: http or
-    https, a host, no user name; and, under ``not``, the URLs whose host is
-    itself an address a webhook may not call (a literal address, or
-    localhost).  A name that resolves to such an address is refused the same
-    way, but only DNS knows which names do.
-
-    :param allow_private: the setting ``webhook_allow_private``: only the
-        cloud metadata addresses are refused.
-    """
-    hosts = [re.escape(str(ip)) + r"\.?" if ip.version == 4 else r"\[" + _any_case(str(ip)) + r"\]"
-             for ip in sorted(_METADATA_ADDRESSES, key=str)]
-    if not allow_private:
-        hosts += [_any_case("localhost") + r"\.?", r"\[(" + _PRIVATE_IPV6 + r")\]"]
-        hosts += [r"\.".join([*octets, *[_OCTET] * (4 - len(octets))]) + r"\.?"
-                  for octets in _PRIVATE_IPV4]
-    return {"format": "uri", "pattern": "^[hH][tT][tT][pP][sS]?://[^/?#@\\s]+([/?#][^\\s]*)?$",
-            "not": {"pattern": "^[hH][tT][tT][pP][sS]?://(" + "|".join(hosts)
-                               + ")(:[0-9]*)?([/?#]|$)"}}
-
-
-#: What every parameter name means, for the OpenAPI document: one place, so a
-#: route added to the table is described by the names it uses.  name ->
-#: (description, example[, what the schema of its type needs besides, e.g. a
-#: list's items]).  A name used with two
-#: meanings reads "kind.name" first (the kind: the route's last path word).
+#: What the parameter names mean that are no one record kind's (a kind's own
+#: are in its Resource's ``doc``): those that several kinds share, paging,
+#: and the parameters of the operations that are not CRUD; so a route added
+#: to the table is described by the names it uses.  name -> (description,
+#: example[, what the schema of its type needs besides, e.g. a list's
+#: items]).  A name used with two meanings reads "word.name" first (the
+#: route's last path word).
 PARAM_DOCS = {
     "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
     "offset": ("How many records to skip before the page (default 0).", 0),
@@ -10082,14 +10234,6 @@ PARAM_DOCS = {
            "changing the wrong record.", 1),
     "name": ("A name for people, shown in lists; one line.", "Spring newsletter"),
     "description": ("Free text about the record.", "Readers who signed up at the shop"),
-    "origin": ("Where the datasource's recipients come from.", "import"),
-    "fields": ("Fields to add, each {name, type}; the email field always exists.",
-               [{"name": "city", "type": "text"}],
-               {"items": {"type": "object", "required": ["name"], "additionalProperties": False,
-                "properties": {"name": {"type": "string", "pattern": "^[^{}\\r\\n\\x00]*[^{}\\s\\x00]"
-                                        "[^{}\\r\\n\\x00]*$", "maxLength": 200},
-                               "type": {**_FIELD_TYPE, "default": "text"}}}}),
-    "status": ("Only recipients with this status.", "active"),
     "new": ("The field's name after the change (may be its current name).", "town"),
     "type": ("The field's type after the change; stored values are converted, and "
              "the change is refused (422) when one does not convert.", "text"),
@@ -10099,70 +10243,9 @@ PARAM_DOCS = {
     "__uploaddata__": ("The upload: CSV text with a header row naming an email column "
                        "(email, e-mail or emailaddress); its base64; or an array of objects.",
                        "email,city\nann@example.com,Oslo\n"),
-    "item": ("The id of the record to place in a folder.", 1),
-    "folder": ("The folder's name.", "Customers"),
-    "sortorder": ("The position within the folder.", 1),
-    "subject": ("The email's subject line; may hold merge tags such as {{city}}.",
-                "News for {{city}}"),
     "fromname": ("The sender's name shown to recipients.", "Example Shop"),
     "fromaddress": ("The sender's address ('' for none).", "news@example.com"),
     "replyto": ("Where replies go ('' for none).", "help@example.com"),
-    "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
-             "<p>Hello from {{city}}</p>"),
-    "text": ("The plain-text body; merge tags {{field}} are filled per recipient.",
-             "Hello from {{city}}"),
-    "datasources": ("The ids of the datasources whose recipients the segment selects.",
-                    [1], {"items": {"anyOf": [
-                        {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                        {"type": "string", "pattern": "^[0-9]{1,18}$"}]}}),
-    "match": ("all: a recipient must meet every condition; any: at least one.", "all"),
-    "conditions": ("Conditions on field values; none selects every active recipient.",
-                   [{"field": "city", "op": "eq", "value": "Oslo"}],
-                   {"items": {"anyOf": [
-                       {"type": "object", "required": ["field", "op", "value"],
-                        "additionalProperties": False, "properties": {
-                            "field": {"type": "string", "pattern": "\\S"},
-                            "op": {"type": "string", "enum": [
-                                op for op in SEGMENT_OPS if op not in ("empty", "notempty")]},
-                            "value": {"anyOf": [{"type": "string", "pattern":
-                                                 "^[^\\r\\n\\x00]*[^\\s\\x00][^\\r\\n\\x00]*$"},
-                                                {"type": "number"}, {"type": "boolean"}]}}},
-                       {"type": "object", "required": ["field", "op"],
-                        "additionalProperties": False, "properties": {
-                            "field": {"type": "string", "pattern": "\\S"},
-                            "op": {"type": "string", "enum": ["empty", "notempty"]},
-                            "value": {"description": "ignored"}}}]}}),
-    "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
-    "enabled": ("1 when the campaign may send.", "1"),
-    "scheduled": ("Only 0: cancels the planned send (a campaign is scheduled by sending it).",
-                  "0", {"anyOf": [{"type": "string", "enum": ["0", "false"]},
-                                  {"type": "integer", "enum": [0]},
-                                  {"type": "boolean", "enum": [False]}]}),
-    "archiveemail": ("An address that gets a copy of every batch ('' for none).",
-                     "archive@example.com"),
-    "defaulttemplate": ("The template the campaign's messages are wrapped in: '' (none), a "
-                        "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
-                        "the server's templates folder ('NAME.html' is NAME too). A text of digits "
-                        "is an id. Surrounding spaces are trimmed.", "",
-                        {"anyOf": [
-                            {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                            {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
-                             "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + TEMPLATE_NAME_REFUSED
-                             + "]*$"}]}),
-    "template.html": ("The template's HTML, holding {{content}} once, where the message goes; "
-                      "'' for none.", "<html><body>{{content}}</body></html>",
-                      {"allOf": [{"pattern": '^$|^(?![\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\})[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*$'}]}),
-    "template.text": ("The template's plain text, holding {{content}} once, where the message "
-                      "goes; '' for none.", "{{content}}\n-- \nExample Shop",
-                      {"allOf": [{"pattern": '^$|^(?![\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\})[\\s\\S]*\\{\\{\\s*[cC][oO][nN][tT][eE][nN][tT]\\s*\\}\\}[\\s\\S]*$'}]}),
-    "thumbnail": ("A URL of a picture of the campaign, for people.",
-                  "https://example.com/thumb.png"),
-    "segment": ("The id of the segment that gets the message.", 1),
-    "message": ("The id of the message to send.", 1),
-    "priority": ("Lower goes first: an address in two segments of the campaign gets only "
-                 "the message of the segment with the lower priority.", 1),
-    "segmentmessageid": ("The campaign message's id again, as in the path.", 1),
-    "segmentmessagehack": ("The campaign message's id again, as in the path.", 1),
     "timestamp": ("When to send: Unix seconds or an RFC 3339 date-time (a time in the past "
                   "means now); 'YYYY-MM-DD HH:MM:SS' is taken as UTC.", 0),
     "test": ("A test send instead of a batch: 1 to 10 addresses that each get every campaign "
@@ -10171,33 +10254,8 @@ PARAM_DOCS = {
              "without timestamp.",
              ["me@example.com"], {"items": {"type": "string", "format": "email"},
                                   "minItems": 1, "maxItems": 10}),
-    "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
-                 "0"),
     "recipient": ("The recipient the preview is for: an id or an address of the segment "
                   "(default: its first recipient).", "ann@example.com"),
-    "signup": ("1: the datasource takes public sign-ups (needs a fromprofile).", "0"),
-    "doubleoptin": ("1: a sign-up stays unconfirmed until the link in its confirmation email "
-                    "is followed (the default).", "1"),
-    "confirmmessage": ("The message of the confirmation email; it must carry {{confirm_url}}. "
-                       "Empty: a built-in plain email.", ""),
-    "welcomemessage": ("The message sent once a sign-up is active. Empty: none.", ""),
-    "fromprofile": ("The sender profile that confirmation and welcome emails go out as.", 1),
-    "recipient.fields": ("The recipient's values by field name (fields the datasource has), "
-                         "each typed by its field's type.", {"city": "Oslo"}),
-    "recipient.status": ("A recipient's status. On a listing: only recipients with it. On "
-                         "create: active or unconfirmed. On change: unsubscribed (never back "
-                         "to active once unsubscribed, bounced or complained).", "active"),
-    "recipient.email": ("An address. On a listing: only the recipient with it (without case). "
-                        "On create and change: the recipient's address.", "ann@example.com"),
-    "url": ("Where events are POSTed: http or https. A URL whose host is, or resolves to, a "
-            "loopback, private, link-local or reserved address is refused (400) unless the "
-            "setting webhook_allow_private allows them, and a cloud metadata address always "
-            "is; the schema's 'not' names the literal ones. A host that does not resolve is "
-            "409.", "https://hooks.example.com/campaigns", webhook_url_schema()),
-    "events": ("The event kinds the webhook gets; empty: every kind.",
-               ["recipient.unsubscribed"], {"items": {"type": "string",
-                                                      "enum": list(EVENT_KINDS)}}),
-    "webhook.enabled": ("1: events are sent; 0: they wait (paused).", "1"),
     "bounce.email": ("The address that bounced or complained.", "ann@example.com",
                      {"not": {"pattern": "^\\s*$"}}),
     "bounce.type": ("hard (the address does not exist), soft (a temporary failure; the third "
@@ -10208,9 +10266,11 @@ PARAM_DOCS = {
 
 
 def _param_doc(route, name):
-    """(description, example, extra schema) of a parameter of ``route``."""
-    kind = [word for word in route.path.split("/") if word and "{" not in word][-1]
-    doc = PARAM_DOCS.get(f"{kind}.{name}") or PARAM_DOCS.get(name)
+    """(description, example, extra schema) of a parameter of ``route``: its
+    record kind's, else PARAM_DOCS'."""
+    word = [word for word in route.path.split("/") if word and "{" not in word][-1]
+    doc = (route.kind.doc.get(name) if route.kind else None) \
+        or PARAM_DOCS.get(f"{word}.{name}") or PARAM_DOCS.get(name)
     if doc is None:     # tests/test_openapi.py asks for one; the document still serves
         return "", None, {}
     description, example, *extra = doc
@@ -10311,16 +10371,16 @@ def _route_statuses(route):
 
 def _success_data(route):
     """The JSON schema of ``data`` when ``route`` succeeds."""
-    answers = route.answers
+    answers, schemas = route.answers, _record_schemas()
     literal = [part for part in route.path.split("/") if part and not part.startswith("{")]
-    if answers is None and route.method == "GET" and literal and literal[-1] in RECORD_SCHEMAS:
+    if answers is None and route.method == "GET" and literal and literal[-1] in schemas:
         answers = literal[-1]       # GET /.../{kind}/{id} answers that kind's records
     if isinstance(answers, dict):
         return answers
     # (key, kind) where the answer's key is not the kind's schema name
     # (campaign messages answer under "message").
     key, answers = answers if isinstance(answers, tuple) else (answers, answers)
-    if answers not in RECORD_SCHEMAS:
+    if answers not in schemas:
         # tests/test_openapi.py asks every route of ROUTES to say (answers=).
         return {"description": "Not described yet."}
     record = {"$ref": f"#/components/schemas/{answers}"}
@@ -10460,7 +10520,7 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "An API key's secret."}},
-            "schemas": {"error": ERROR_SCHEMA, **errors, **RECORD_SCHEMAS},
+            "schemas": {"error": ERROR_SCHEMA, **errors, **_record_schemas()},
             "responses": responses,
         },
         "security": [{"bearer": []}],

@@ -76,6 +76,39 @@ def test_a_route_added_to_the_table_appears_without_touching_the_generator(monke
                                            "415", "422", "500"}
 
 
+def _route_word(route):
+    return [word for word in route.path.split("/") if word and "{" not in word][-1]
+
+
+def test_a_record_kind_is_described_in_its_resource_and_nowhere_else(document):
+    """A record kind is declared in schema.sql, its Resource(...) and its
+    lines of ROUTES (issue 25): its record's schema is the Resource's
+    ``fields`` and its own parameters' documentation the Resource's ``doc``,
+    never entries of the OpenAPI banner's RECORD_SCHEMAS or PARAM_DOCS."""
+    kinds = list(campaignapi.Resource.kinds.values())
+    schemas = document["components"]["schemas"]
+    for kind in kinds:
+        assert kind.fields, f"{kind.name}: declare its record's schema as fields="
+        assert schemas[kind.schema] == kind.fields, kind.name
+    assert not {kind.schema for kind in kinds} & set(campaignapi.RECORD_SCHEMAS)
+    assert not {kind.name for kind in kinds} & set(campaignapi.RECORD_SCHEMAS)
+    # Who uses each parameter name: the kinds (by name), None for a route of no kind.
+    users, words = {}, {_route_word(route) for route in campaignapi.ROUTES if route.kind}
+    for route in campaignapi.ROUTES:
+        for name in route.params:
+            users.setdefault(name, set()).add(route.kind and route.kind.name)
+        if route.kind:   # a kind documents only parameters it has
+            assert set(route.kind.doc) <= {name for other in campaignapi.ROUTES
+                                           if other.kind is route.kind for name in other.params}
+    for key in campaignapi.PARAM_DOCS:
+        word, _, name = key.rpartition(".")
+        assert word not in words | set(campaignapi.Resource.kinds), \
+            f"PARAM_DOCS[{key!r}] is {word}'s: describe it in that Resource's doc="
+        assert word or None in users.get(name, ()) or len(users.get(name, ())) > 1, \
+            f"PARAM_DOCS[{key!r}] is used by {sorted(users.get(name, ()))} only: " \
+            "describe it in that Resource's doc= (or drop it if no route has it)"
+
+
 def test_every_parameter_type_has_a_schema():
     # A type added to the pipeline must be described too.
     assert set(campaignapi.PARAM_TYPES) <= set(campaignapi._PARAM_SCHEMAS)
