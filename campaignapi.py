@@ -1202,6 +1202,11 @@ def _now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _shift(moment_text, seconds):
+    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
+    return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
+
+
 # An import's writes -----------------------------------------------------------
 #
 # An import checks its rows in Python and hands them over a chunk at a time
@@ -1920,6 +1925,32 @@ def erasure_hash(secret, address):
 # Auth: accounts and API keys.  Plain functions; the pipeline calls them.
 # ---------------------------------------------------------------------------
 
+# Addresses ---------------------------------------------------------------
+
+# An address: a local part of dot-separated atoms (no leading, trailing or
+# double dot; at most 64 characters), '@', a domain of at least two
+# alphanumeric labels.  One regex, as it runs on every row of an import.
+_EMAIL_ATOM = r"[^@\s\x00-\x1f\x7f<>()\[\],;:\"\\.]+"
+_EMAIL_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_EMAIL_RE = re.compile(rf"(?=[^@]{{1,64}}@)({_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*)"
+                       rf"@({_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+)")
+# An address already in the form _normalize_email() gives (no spaces around,
+# the domain in lower case, at most 254 characters): an import checks a whole
+# column with it and sends only the others the slow way.
+_EMAIL_NORMAL_RE = re.compile(
+    rf"(?s:(?=.{{1,254}}\Z))(?=[^@]{{1,64}}@){_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*"
+    r"@[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)+")
+
+
+def _normalize_email(value):
+    """The address trimmed with its domain lower-cased, or None if invalid."""
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    match = _EMAIL_RE.fullmatch(value) if len(value) <= 254 else None
+    return f"{match[1]}@{match[2].lower()}" if match else None
+
+
 def _hash_secret(secret):
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
@@ -2047,30 +2078,6 @@ def require_level(key, level):
 # ---------------------------------------------------------------------------
 # Request plumbing: parameters, identifiers, the envelope.
 # ---------------------------------------------------------------------------
-
-# An address: a local part of dot-separated atoms (no leading, trailing or
-# double dot; at most 64 characters), '@', a domain of at least two
-# alphanumeric labels.  One regex, as it runs on every row of an import.
-_EMAIL_ATOM = r"[^@\s\x00-\x1f\x7f<>()\[\],;:\"\\.]+"
-_EMAIL_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
-_EMAIL_RE = re.compile(rf"(?=[^@]{{1,64}}@)({_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*)"
-                       rf"@({_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+)")
-# An address already in the form _normalize_email() gives (no spaces around,
-# the domain in lower case, at most 254 characters): an import checks a whole
-# column with it and sends only the others the slow way.
-_EMAIL_NORMAL_RE = re.compile(
-    rf"(?s:(?=.{{1,254}}\Z))(?=[^@]{{1,64}}@){_EMAIL_ATOM}(?:\.{_EMAIL_ATOM})*"
-    r"@[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)+")
-
-
-def _normalize_email(value):
-    """The address trimmed with its domain lower-cased, or None if invalid."""
-    if not isinstance(value, str):
-        return None
-    value = value.strip()
-    match = _EMAIL_RE.fullmatch(value) if len(value) <= 254 else None
-    return f"{match[1]}@{match[2].lower()}" if match else None
-
 
 def _as_int(value):
     if isinstance(value, bool):
@@ -2226,6 +2233,26 @@ class Param:
         return PARAM_TYPES[self.type](self.name, value)
 
 
+#: Every record kind by name (each Resource enters itself; Resource.kinds is
+#: this dict): a route's operation, parent and references name their kinds,
+#: declared in the record kinds' banners below.
+_KINDS = {}
+
+#: Success data of a create: the new record's id.
+ANSWER_ID = {"type": "object", "required": ["id"],
+             "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
+#: Success data of a change or a delete.
+ANSWER_DONE = {"type": "boolean", "description": "true: done"}
+
+
+def records_answer(key, kind):
+    """Success data that lists records of ``kind`` under ``key`` for one id as
+    for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
+    return {"type": "object", "required": [key], "properties": {
+        key: {"type": "array", "items": {"$ref": f"#/components/schemas/{kind}"}},
+        **{name: {"type": "string"} for name in ("total", "limit", "offset")}}}
+
+
 class Route:
     """One row of the route table.
 
@@ -2269,7 +2296,7 @@ class Route:
         # An operation of a record kind (Resource.get, .create, ...) takes the
         # parameters its kind declares for it and answers that kind.
         kind = getattr(handler, "__self__", None)
-        self.kind = kind if isinstance(kind, Resource) else None
+        self.kind = kind if any(kind is known for known in _KINDS.values()) else None
         if params is None:
             params = self.kind.params(handler.__name__) if self.kind else ""
         if answers is None and self.kind:
@@ -2283,7 +2310,7 @@ class Route:
         self.body_rules = body_rules or {}
         self.params = {p.name: p for p in map(Param, params.split())}
         for param in self.params.values():   # a kind the account owns, not a child kind
-            if param.refers and Resource.kinds[param.refers].parent is not None:
+            if param.refers and _KINDS[param.refers].parent is not None:
                 raise ValueError(f"{param.name} names a {param.refers}, which is no owned kind")
         self.writes = method != "GET" if writes is None else writes
         self.reads_body, self.body, self.errors = reads_body, body, tuple(errors)
@@ -2306,7 +2333,7 @@ class Route:
         # What bottle's <name> matches, for telling 405 from 404 ourselves.
         self.pattern = re.compile(re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape("/v1" + path)))
         # A route under /{kind}/{parent_id}/... acts within that record.
-        self.parent = Resource.kinds[path.split("/")[1]] if "parent_id" in self.ids else None
+        self.parent = _KINDS[path.split("/")[1]] if "parent_id" in self.ids else None
 
     def run(self, call, ids):
         """Call the handler: with the parent record looked up first (its owner
@@ -2329,7 +2356,7 @@ class Route:
         for param in self.params.values():
             if param.refers is None or param.made_later or params.get(param.name) is None:
                 continue
-            kind, value = Resource.kinds[param.refers], params[param.name]
+            kind, value = _KINDS[param.refers], params[param.name]
             items = [(f"{param.name}[{index}]", item) for index, item in enumerate(value)] \
                 if param.type == "list" else [(param.name, value)]
             for where, item in items:
@@ -2447,11 +2474,11 @@ class Call:
     def get(self, name, default=None):
         return self.params.get(name, default)
 
-    def emit(self, kind, data, account=None):
-        """Raise an event of ``account`` (default: the caller's) in this
-        request's transaction; on_event gets it after the commit."""
-        return emit(self.conn, account or self.account, kind, data,
-                    self.memo.setdefault("events", []))
+    @property
+    def events(self):
+        """The events raised in this request's transaction (emit()'s
+        ``pending``): on_event gets them after the commit."""
+        return self.memo.setdefault("events", [])
 
     def later(self, write, /, **payload):
         """A public route's write (``write`` a key of LATER, ``payload`` its
@@ -2727,9 +2754,10 @@ class Service:
         self._secret = None
         self._keys = {}  # Authorization header -> (key row, remembered until, epoch)
         # How /v1/bounce/ses fetches SNS signing certificates, and the hosts
-        # they may come from: tests point these at a local HTTPS server; the
-        # signature is checked either way.
-        self.sns_fetch, self.sns_cert_host = fetch_https, SNS_CERT_HOST
+        # they may come from (create_app() gives fetch_https and SNS_CERT_HOST;
+        # tests point these at a local HTTPS server): the signature is checked
+        # either way.
+        self.sns_fetch = self.sns_cert_host = None
         self.signup_limit = _ClientLimit()  # public sign-ups per client address
         self.intake = _Intake(self)  # public writes kept while their lock is held
 
@@ -2870,6 +2898,48 @@ class Service:
 def _internal_error(response_id):
     return ApiError(f"Something went wrong on our side; quote responseId {response_id} when "
                     "reporting it.")
+
+
+def parse_timestamp(value, now=None):
+    """A send time as UTC 'YYYY-MM-DD HH:MM:SS': Unix seconds, 'YYYY-MM-DD
+    HH:MM:SS' (UTC) or ISO 8601 (with an offset; without one it is UTC).  A
+    time in the past means now."""
+    now = now or _now()
+    seconds = _as_int(value)
+    try:
+        if seconds is not None:
+            moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        elif isinstance(value, str):
+            moment = datetime.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=datetime.timezone.utc)
+        else:
+            raise ValueError
+        stamp = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):
+        raise InvalidParameter(
+            "'timestamp' must be Unix seconds, 'YYYY-MM-DD HH:MM:SS' in UTC, or ISO 8601 with "
+            "an offset.", field="timestamp") from None
+    return max(stamp, now)
+
+
+def run_callbacks(on_event, pending):
+    """Hand committed events to the embedding application's callback; an
+    exception there is logged and changes nothing."""
+    for kind, payload in pending:
+        try:
+            on_event(kind, payload)
+        except Exception:
+            log.exception("the on_event callback failed for %s", kind)
+    pending.clear()
+
+
+def server_address(text, what):
+    """``(host, port)`` of ``"host:port"`` ("[::1]:25" for IPv6); ``what`` names it in errors."""
+    host, _, port = (text or "").rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be given as host:port, not {text!r}")
+    return host.strip("[]"), int(port)
 
 
 # ---------------------------------------------------------------------------
@@ -3564,6 +3634,11 @@ def account_email(conn, account):
     return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
 
 
+def default_mail_from():
+    """The sender of notifications and archive copies unless one is configured."""
+    return f"campaignapi@{socket.gethostname() or 'localhost'}"
+
+
 # ---------------------------------------------------------------------------
 # Domain writes: recording an event, suppressing an address, applying a
 # bounce.  Each writes in the caller's transaction; every route, page, worker
@@ -3644,17 +3719,6 @@ def emit(conn, account, kind, data, pending=None):
     for handler in _SUBSCRIBERS[kind]:
         handler(conn, account, payload, pending)
     return payload
-
-
-def run_callbacks(on_event, pending):
-    """Hand committed events to the embedding application's callback; an
-    exception there is logged and changes nothing."""
-    for kind, payload in pending:
-        try:
-            on_event(kind, payload)
-        except Exception:
-            log.exception("the on_event callback failed for %s", kind)
-    pending.clear()
 
 
 # Suppressing an address: the one way an address stops getting the account's
@@ -3941,7 +4005,7 @@ class Resource:
     """
 
     #: Every kind by name: a child route's path names its parent's kind.
-    kinds = {}
+    kinds = _KINDS
 
     def __init__(self, name, table, shape, *, columns="", required="", extra=None, values=None,
                  parent=None, parent_key=None, parent_param=None, single=False, repeat=None,
@@ -4436,15 +4500,16 @@ def _erased_marker(call, datasource):
 
 def _recipient_event(call, recipient_id):
     row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
-    call.emit("recipient.subscribed", {"id": str(row["id"]), "datasource": str(row["datasource"]),
-                                       "email": row["email"], "status": row["status"]})
+    emit(call.conn, call.account, "recipient.subscribed",
+         {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"],
+          "status": row["status"]}, call.events)
 
 
 def _recipient_changed(call, recipient_id):
     if call.get("status") == "unsubscribed":
         row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
         suppress(call.conn, call.account, row["email"], "unsubscribed",
-                 pending=call.memo.setdefault("events", []))
+                 pending=call.events)
 
 
 def _erase_recipient(call, row):
@@ -5231,7 +5296,7 @@ def _import_create(call, child_id):
         "errors": _to_json(importer.errors), "finished": _now()})
     call.conn.execute(f"DELETE FROM {call.conn.sql['temp']}.import_touched")
     row = call.conn.execute("SELECT * FROM import WHERE id = ?", (import_id,)).fetchone()
-    call.emit("import.finished", _import_record(call, row))
+    emit(call.conn, call.account, "import.finished", _import_record(call, row), call.events)
     _notify_import(call, datasource, row)
     return {"id": str(import_id)}
 
@@ -5332,7 +5397,8 @@ def _run_export(call):
                          "WHERE id = ?", (rows, path, _now(), export_id))
             row = conn.execute("SELECT * FROM export WHERE id = ?", (export_id,)).fetchone()
             _notify_export(call, datasource, row)
-            call.emit("export.finished", _export_record(call, row))
+            emit(call.conn, call.account, "export.finished", _export_record(call, row),
+                 call.events)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(path)
@@ -6279,29 +6345,6 @@ def verify_campaign(conn, account, campaign_id, templates_dir=""):
 # Sending: batches, process_due, archives
 # ---------------------------------------------------------------------------
 
-def parse_timestamp(value, now=None):
-    """A send time as UTC 'YYYY-MM-DD HH:MM:SS': Unix seconds, 'YYYY-MM-DD
-    HH:MM:SS' (UTC) or ISO 8601 (with an offset; without one it is UTC).  A
-    time in the past means now."""
-    now = now or _now()
-    seconds = _as_int(value)
-    try:
-        if seconds is not None:
-            moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
-        elif isinstance(value, str):
-            moment = datetime.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-            if moment.tzinfo is None:
-                moment = moment.replace(tzinfo=datetime.timezone.utc)
-        else:
-            raise ValueError
-        stamp = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    except (ValueError, OverflowError, OSError):
-        raise InvalidParameter(
-            "'timestamp' must be Unix seconds, 'YYYY-MM-DD HH:MM:SS' in UTC, or ISO 8601 with "
-            "an offset.", field="timestamp") from None
-    return max(stamp, now)
-
-
 def _campaign_send(call, child_id):
     parent_id = call.parent["id"]
     if "test" in call.params:
@@ -6876,7 +6919,7 @@ def _unsubscribe_post(call, token):
 
 def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
     suppress(call.conn, account, address, "unsubscribed", campaign, batch=batch, outbox=outbox,
-             pending=call.memo.setdefault("events", []))
+             pending=call.events)
 
 
 # Public writes that never wait ------------------------------------------------
@@ -7039,7 +7082,7 @@ def _apply_later(call, items, apart=True):
         if not apart:
             LATER[kind](call, **payload)
             continue
-        raised = len(call.memo.setdefault("events", []))
+        raised = len(call.events)
         try:
             with transaction(call.conn):
                 LATER[kind](call, **payload)
@@ -7372,9 +7415,9 @@ def _sign_up(call, datasource, address, data):
     row = conn.execute("SELECT * FROM recipient WHERE datasource = ? AND email = ?",
                        (datasource["id"], address)).fetchone()
     if stored:
-        call.emit("recipient.subscribed", {"id": str(row["id"]),
-                                           "datasource": str(datasource["id"]),
-                                           "email": address, "status": status}, account)
+        emit(call.conn, account, "recipient.subscribed",
+             {"id": str(row["id"]), "datasource": str(datasource["id"]), "email": address,
+              "status": status}, call.events)
         if status == "active":
             _queue_welcome(call, datasource, row)
     elif row["status"] == "unconfirmed" and not datasource["doubleoptin"]:
@@ -7513,8 +7556,9 @@ def _apply_confirm(call, recipient, base):
                  (account, row["email"]))
     conn.execute("DELETE FROM erasure WHERE account = ? AND hash = ?",
                  (account, erasure_hash(call.service.secret, row["email"])))
-    call.emit("recipient.confirmed", {"id": str(row["id"]), "datasource": str(row["datasource"]),
-                                      "email": row["email"]}, account)
+    emit(call.conn, account, "recipient.confirmed",
+         {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"]},
+         call.events)
     datasource = conn.execute("SELECT * FROM datasource WHERE id = ?",
                               (row["datasource"],)).fetchone()
     _queue_welcome(call, datasource, row)
@@ -8255,7 +8299,7 @@ def _bounce_post(call):
                   "campaign": params.get("campaign")}
     with transaction(call.conn):
         answer = apply_bounce(call.conn, report, account=call.account, secret=secret,
-                              pending=call.memo.setdefault("events", []))
+                              pending=call.events)
     return {"bounce": answer}
 
 
@@ -8276,7 +8320,7 @@ def _provider_callback(call, setting, read):
     with transaction(call.conn):
         for event in events:
             apply_bounce(call.conn, event, secret=secret,
-                         pending=call.memo.setdefault("events", []))
+                         pending=call.events)
     return {"received": str(len(events))}
 
 
@@ -8325,11 +8369,6 @@ MAX_ATTEMPTS = 8
 PROGRESS_INTERVAL = 10
 
 
-def default_mail_from():
-    """The sender of notifications and archive copies unless one is configured."""
-    return f"campaignapi@{socket.gethostname() or 'localhost'}"
-
-
 def _time_text(moment):
     """A time as stored ('YYYY-MM-DD HH:MM:SS' UTC) from a datetime or that text."""
     if moment is None:
@@ -8339,11 +8378,6 @@ def _time_text(moment):
             moment = moment.astimezone(datetime.timezone.utc)
         return moment.strftime("%Y-%m-%d %H:%M:%S")
     return str(moment)
-
-
-def _shift(moment_text, seconds):
-    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
-    return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def dkim_signer(domain, selector, private_key):
@@ -8751,14 +8785,6 @@ def _take_back(conn, now, stale_claim):
 def smtp_address(smtp):
     """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
     return server_address(smtp, "the SMTP server")
-
-
-def server_address(text, what):
-    """``(host, port)`` of ``"host:port"`` ("[::1]:25" for IPv6); ``what`` names it in errors."""
-    host, _, port = (text or "").rpartition(":")
-    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} must be given as host:port, not {text!r}")
-    return host.strip("[]"), int(port)
 
 
 class _Run:
@@ -10192,11 +10218,6 @@ RECORD_SCHEMAS = {
                               **_STATISTICS_SCHEMAS),
 }
 
-#: Success data of a create: the new record's id.
-ANSWER_ID = {"type": "object", "required": ["id"],
-             "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
-#: Success data of a change or a delete.
-ANSWER_DONE = {"type": "boolean", "description": "true: done"}
 #: Success data of a webhook's create: its id and its signing secret, shown once.
 _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
                    "properties": {**ANSWER_ID["properties"],
@@ -10207,14 +10228,6 @@ def _record_schemas():
     """Every record's JSON schema by name: each kind's, and RECORD_SCHEMAS."""
     return {**{kind.schema: kind.fields for kind in Resource.kinds.values() if kind.fields},
             **RECORD_SCHEMAS}
-
-
-def records_answer(key, kind):
-    """Success data that lists records of ``kind`` under ``key`` for one id as
-    for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
-    return {"type": "object", "required": [key], "properties": {
-        key: {"type": "array", "items": {"$ref": f"#/components/schemas/{kind}"}},
-        **{name: {"type": "string"} for name in ("total", "limit", "offset")}}}
 
 
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
@@ -10808,6 +10821,7 @@ def create_app(db="campaignapi.db", **config):
     config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
     init_db(db)
     service = Service(db, config)
+    service.sns_fetch, service.sns_cert_host = fetch_https, SNS_CERT_HOST
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
