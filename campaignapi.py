@@ -2758,6 +2758,7 @@ class Service:
         # tests point these at a local HTTPS server): the signature is checked
         # either way.
         self.sns_fetch = self.sns_cert_host = None
+        self.later = {}   # {name: write} of call.later(); create_app() gives LATER
         self.signup_limit = _ClientLimit()  # public sign-ups per client address
         self.intake = _Intake(self)  # public writes kept while their lock is held
 
@@ -2940,6 +2941,205 @@ def server_address(text, what):
     if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} must be given as host:port, not {text!r}")
     return host.strip("[]"), int(port)
+
+
+
+# Public writes that never wait ------------------------------------------------
+#
+# A big import is one transaction: on SQLite it holds the database's one write
+# lock for its whole length, on PostgreSQL the rows it wrote.  A person who
+# opens, clicks, unsubscribes, signs up or confirms meanwhile must not wait for
+# it (nor fail at the 30 s busy timeout).  So those routes read, check and
+# answer, and hand their writes to call.later(); the pipeline applies them in
+# one short transaction when its locks come within PUBLIC_WAIT, else keeps
+# them in the intake (the engine's place, which the import's locks do not
+# reach: _SqliteIntake, _PgIntake) and a thread of the app applies them in
+# the order they came as soon as the lock is free.  While any are kept, new
+# ones queue behind them: an unsubscribe does not overtake the sign-up
+# before it.
+
+#: How long a public write waits for its locks before it is kept for later (ms).
+PUBLIC_WAIT = 50
+#: Kept writes applied per transaction.
+INTAKE_CHUNK = 500
+
+
+class _Intake:
+    """The public writes of one app (its Service): take() applies a
+    request's or keeps them; drain() applies kept ones, in order; a thread
+    drains while any are kept."""
+
+    def __init__(self, service):
+        self.service, self.lock, self.thread = service, threading.Lock(), None
+        self.backlog = None   # whether any are kept; None: not looked yet
+        # Where they are kept: the engine's place (_SqliteIntake).
+        self.store = _connection_class(service.db).intake(service.db, service.conn, PUBLIC_WAIT)
+        # Threads of the app take turns at writing here rather than in the
+        # database's busy wait, and the one whose turn it is commits what the
+        # others brought meanwhile too (group commit): one transaction for
+        # many opens under load.
+        self.writer, self.waiting = threading.Lock(), []
+
+    def take(self, call):
+        """Apply the request's call.later() writes at once, or keep them."""
+        items = call.memo.pop("later", None)
+        if not items:
+            return
+        with self.lock:
+            if self.backlog is None:
+                self.backlog = self.kept()
+            backlog = self.backlog
+        if not backlog and self._apply_now(call, items):
+            return
+        self._keep(call.conn, items)
+        with self.lock:
+            self.backlog = True
+            self._start()
+
+    def _apply_now(self, call, items):
+        """Apply ``items`` in a transaction with those other threads bring
+        meanwhile; False when the locks did not come within PUBLIC_WAIT."""
+        mine = [call, items, None]   # the third: True applied, False to keep
+        with self.lock:
+            self.waiting.append(mine)
+        with self.writer:
+            if mine[2] is None:
+                with self.lock:
+                    turn, self.waiting = self.waiting, []
+                self._commit(turn)
+        return mine[2]
+
+    def _commit(self, turn):
+        conn = self.store.quick(turn[0][0].conn)
+        apart = len(turn) > 1 or len(turn[0][1]) > 1
+        try:
+            with self.store.quick_transaction(conn):
+                for entry in turn:
+                    call, items, _ = entry
+                    read, call.conn = call.conn, conn
+                    try:
+                        _apply_later(call, items, apart=apart)
+                    finally:
+                        call.conn = read
+            done = True
+        except Exception as error:
+            for call, _, _ in turn:
+                call.memo.pop("events", None)   # rolled back: raised by no one
+            done = not _transient(error)
+            if done:   # one write alone, failing: logged and left out, as in _apply_later
+                log.exception("a %s could not be applied and is left out: %s",
+                              turn[0][1][0][0], _to_json(turn[0][1][0][1]))
+        for entry in turn:
+            entry[2] = done
+
+    def resume(self):
+        """Drain what an earlier run of the app left kept (at start)."""
+        with self.lock:
+            self.backlog = self.kept()
+            if self.backlog:
+                self._start()
+
+    def kept(self):
+        """Whether any writes are kept."""
+        return self.store.kept()
+
+    def drain(self, limit=INTAKE_CHUNK):
+        """Apply up to ``limit`` kept writes, the oldest first, in one
+        transaction; waits for the lock as any writer does.
+
+        :returns: how many were taken off the intake.
+        """
+        conn = self.service.conn()
+        call = Call(conn, None, {}, self.service, "intake")
+        taken = self.store.drain(conn, limit, lambda items: _apply_later(call, items))
+        if call.memo.get("events") and self.service.config["on_event"]:
+            run_callbacks(self.service.config["on_event"], call.memo["events"])
+        return taken
+
+    def _keep(self, conn, items):
+        now = _now()
+        self.store.keep(conn, [(kind, _to_json(payload), now) for kind, payload in items])
+
+    def _start(self):
+        """A draining thread, unless one runs (under self.lock)."""
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self._drain_all, name="campaignapi-intake",
+                                           daemon=True)
+            self.thread.start()
+
+    def _drain_all(self):
+        failures = 0
+        while failures < 100:
+            try:
+                if self.drain():
+                    failures = 0
+                    continue
+                with self.lock:
+                    if not self.kept():
+                        self.backlog, self.thread = False, None
+                        return
+                time.sleep(0.1)   # another host drains (PostgreSQL)
+            except Exception as error:   # locked past the busy timeout, a lost connection
+                failures += 1
+                log.warning("kept public writes not applied yet: %s", error)
+                time.sleep(min(0.1 * 2 ** failures, 5.0))
+        log.error("kept public writes: giving up for now; the next public write retries")
+
+
+def _transient(error):
+    """Whether a database error says "later", not "never": lock timeout,
+    deadlock, serialization failure (PostgreSQL), a locked database (SQLite)."""
+    state = getattr(error, "sqlstate", None) or ""
+    return state == "55P03" or state.startswith("40") or (
+        isinstance(error, sqlite3.OperationalError) and "locked" in str(error))
+
+
+def _apply_later(call, items, apart=True):
+    """Apply call.later() writes ``(kind, payload)`` in the caller's
+    transaction, each in a savepoint (``apart``): one that fails (a bug, a
+    row gone) is logged with what it carried and left out, never blocking the
+    others.  Waiting is not failing: a lock timeout, a deadlock or a busy
+    database ends the transaction, and the writes are tried again."""
+    for kind, payload in items:
+        if not apart:
+            call.service.later[kind](call, **payload)
+            continue
+        raised = len(call.events)
+        try:
+            with transaction(call.conn):
+                call.service.later[kind](call, **payload)
+        except Exception as error:
+            del call.memo["events"][raised:]   # rolled back: raised by no one
+            if _transient(error):
+                raise
+            log.exception("a kept %s could not be applied and is left out: %s", kind,
+                          _to_json(payload))
+
+
+class _ClientLimit:
+    """At most ``rate`` sign-ups a minute from one client address, counted in
+    this process (a fixed one-minute window per address, bounded memory)."""
+
+    def __init__(self):
+        self.lock, self.windows = threading.Lock(), {}
+
+    def wait(self, client, rate):
+        """0 when the client may go on (and it is counted), else the seconds
+        until it may."""
+        now = time.monotonic()
+        with self.lock:
+            if len(self.windows) > 10000:  # a burst of addresses cannot grow it
+                self.windows = {key: value for key, value in self.windows.items()
+                                if now - value[0] < 60}
+                if len(self.windows) > 10000:
+                    self.windows.clear()
+            start, count = self.windows.get(client, (now, 0))
+            if now - start >= 60:
+                start, count = now, 0
+            if count >= rate:
+                return max(1, int(60 - (now - start)) + 1)
+            self.windows[client] = (start, count + 1)
+            return 0
 
 
 # ---------------------------------------------------------------------------
@@ -6922,178 +7122,6 @@ def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
              pending=call.events)
 
 
-# Public writes that never wait ------------------------------------------------
-#
-# A big import is one transaction: on SQLite it holds the database's one write
-# lock for its whole length, on PostgreSQL the rows it wrote.  A person who
-# opens, clicks, unsubscribes, signs up or confirms meanwhile must not wait for
-# it (nor fail at the 30 s busy timeout).  So those routes read, check and
-# answer, and hand their writes to call.later(); the pipeline applies them in
-# one short transaction when its locks come within PUBLIC_WAIT, else keeps
-# them in the intake (the engine's place, which the import's locks do not
-# reach: _SqliteIntake, _PgIntake) and a thread of the app applies them in
-# the order they came as soon as the lock is free.  While any are kept, new
-# ones queue behind them: an unsubscribe does not overtake the sign-up
-# before it.
-
-#: How long a public write waits for its locks before it is kept for later (ms).
-PUBLIC_WAIT = 50
-#: Kept writes applied per transaction.
-INTAKE_CHUNK = 500
-
-
-class _Intake:
-    """The public writes of one app (its Service): take() applies a
-    request's or keeps them; drain() applies kept ones, in order; a thread
-    drains while any are kept."""
-
-    def __init__(self, service):
-        self.service, self.lock, self.thread = service, threading.Lock(), None
-        self.backlog = None   # whether any are kept; None: not looked yet
-        # Where they are kept: the engine's place (_SqliteIntake).
-        self.store = _connection_class(service.db).intake(service.db, service.conn, PUBLIC_WAIT)
-        # Threads of the app take turns at writing here rather than in the
-        # database's busy wait, and the one whose turn it is commits what the
-        # others brought meanwhile too (group commit): one transaction for
-        # many opens under load.
-        self.writer, self.waiting = threading.Lock(), []
-
-    def take(self, call):
-        """Apply the request's call.later() writes at once, or keep them."""
-        items = call.memo.pop("later", None)
-        if not items:
-            return
-        with self.lock:
-            if self.backlog is None:
-                self.backlog = self.kept()
-            backlog = self.backlog
-        if not backlog and self._apply_now(call, items):
-            return
-        self._keep(call.conn, items)
-        with self.lock:
-            self.backlog = True
-            self._start()
-
-    def _apply_now(self, call, items):
-        """Apply ``items`` in a transaction with those other threads bring
-        meanwhile; False when the locks did not come within PUBLIC_WAIT."""
-        mine = [call, items, None]   # the third: True applied, False to keep
-        with self.lock:
-            self.waiting.append(mine)
-        with self.writer:
-            if mine[2] is None:
-                with self.lock:
-                    turn, self.waiting = self.waiting, []
-                self._commit(turn)
-        return mine[2]
-
-    def _commit(self, turn):
-        conn = self.store.quick(turn[0][0].conn)
-        apart = len(turn) > 1 or len(turn[0][1]) > 1
-        try:
-            with self.store.quick_transaction(conn):
-                for entry in turn:
-                    call, items, _ = entry
-                    read, call.conn = call.conn, conn
-                    try:
-                        _apply_later(call, items, apart=apart)
-                    finally:
-                        call.conn = read
-            done = True
-        except Exception as error:
-            for call, _, _ in turn:
-                call.memo.pop("events", None)   # rolled back: raised by no one
-            done = not _transient(error)
-            if done:   # one write alone, failing: logged and left out, as in _apply_later
-                log.exception("a %s could not be applied and is left out: %s",
-                              turn[0][1][0][0], _to_json(turn[0][1][0][1]))
-        for entry in turn:
-            entry[2] = done
-
-    def resume(self):
-        """Drain what an earlier run of the app left kept (at start)."""
-        with self.lock:
-            self.backlog = self.kept()
-            if self.backlog:
-                self._start()
-
-    def kept(self):
-        """Whether any writes are kept."""
-        return self.store.kept()
-
-    def drain(self, limit=INTAKE_CHUNK):
-        """Apply up to ``limit`` kept writes, the oldest first, in one
-        transaction; waits for the lock as any writer does.
-
-        :returns: how many were taken off the intake.
-        """
-        conn = self.service.conn()
-        call = Call(conn, None, {}, self.service, "intake")
-        taken = self.store.drain(conn, limit, lambda items: _apply_later(call, items))
-        if call.memo.get("events") and self.service.config["on_event"]:
-            run_callbacks(self.service.config["on_event"], call.memo["events"])
-        return taken
-
-    def _keep(self, conn, items):
-        now = _now()
-        self.store.keep(conn, [(kind, _to_json(payload), now) for kind, payload in items])
-
-    def _start(self):
-        """A draining thread, unless one runs (under self.lock)."""
-        if self.thread is None or not self.thread.is_alive():
-            self.thread = threading.Thread(target=self._drain_all, name="campaignapi-intake",
-                                           daemon=True)
-            self.thread.start()
-
-    def _drain_all(self):
-        failures = 0
-        while failures < 100:
-            try:
-                if self.drain():
-                    failures = 0
-                    continue
-                with self.lock:
-                    if not self.kept():
-                        self.backlog, self.thread = False, None
-                        return
-                time.sleep(0.1)   # another host drains (PostgreSQL)
-            except Exception as error:   # locked past the busy timeout, a lost connection
-                failures += 1
-                log.warning("kept public writes not applied yet: %s", error)
-                time.sleep(min(0.1 * 2 ** failures, 5.0))
-        log.error("kept public writes: giving up for now; the next public write retries")
-
-
-def _transient(error):
-    """Whether a database error says "later", not "never": lock timeout,
-    deadlock, serialization failure (PostgreSQL), a locked database (SQLite)."""
-    state = getattr(error, "sqlstate", None) or ""
-    return state == "55P03" or state.startswith("40") or (
-        isinstance(error, sqlite3.OperationalError) and "locked" in str(error))
-
-
-def _apply_later(call, items, apart=True):
-    """Apply call.later() writes ``(kind, payload)`` in the caller's
-    transaction, each in a savepoint (``apart``): one that fails (a bug, a
-    row gone) is logged with what it carried and left out, never blocking the
-    others.  Waiting is not failing: a lock timeout, a deadlock or a busy
-    database ends the transaction, and the writes are tried again."""
-    for kind, payload in items:
-        if not apart:
-            LATER[kind](call, **payload)
-            continue
-        raised = len(call.events)
-        try:
-            with transaction(call.conn):
-                LATER[kind](call, **payload)
-        except Exception as error:
-            del call.memo["events"][raised:]   # rolled back: raised by no one
-            if _transient(error):
-                raise
-            log.exception("a kept %s could not be applied and is left out: %s", kind,
-                          _to_json(payload))
-
-
 # Open and click ----------------------------------------------------------------
 
 def _read_by_a_person():
@@ -7152,32 +7180,6 @@ _INPUT_TYPES = {"text": 'type="text"', "integer": 'type="number" step="1"',
                 "number": 'type="number" step="any"', "boolean": 'type="checkbox" value="1"',
                 "date": 'type="date"', "datetime": 'type="datetime-local"',
                 "email": 'type="email"'}
-
-
-class _ClientLimit:
-    """At most ``rate`` sign-ups a minute from one client address, counted in
-    this process (a fixed one-minute window per address, bounded memory)."""
-
-    def __init__(self):
-        self.lock, self.windows = threading.Lock(), {}
-
-    def wait(self, client, rate):
-        """0 when the client may go on (and it is counted), else the seconds
-        until it may."""
-        now = time.monotonic()
-        with self.lock:
-            if len(self.windows) > 10000:  # a burst of addresses cannot grow it
-                self.windows = {key: value for key, value in self.windows.items()
-                                if now - value[0] < 60}
-                if len(self.windows) > 10000:
-                    self.windows.clear()
-            start, count = self.windows.get(client, (now, 0))
-            if now - start >= 60:
-                start, count = now, 0
-            if count >= rate:
-                return max(1, int(60 - (now - start)) + 1)
-            self.windows[client] = (start, count + 1)
-            return 0
 
 
 def _today():
@@ -10822,6 +10824,7 @@ def create_app(db="campaignapi.db", **config):
     init_db(db)
     service = Service(db, config)
     service.sns_fetch, service.sns_cert_host = fetch_https, SNS_CERT_HOST
+    service.later = LATER   # the public writes the pipeline may apply later
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
