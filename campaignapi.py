@@ -2287,6 +2287,9 @@ class Route:
     ``utm_*`` and the like), so the page never turns into an error envelope.
     """
 
+    #: The route table the module serves (ROUTES, set where it is declared).
+    table = ()
+
     _PLACEHOLDER = re.compile(r"\{(\w+)(?::([\w|]+))?\}")
 
     def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
@@ -4365,6 +4368,42 @@ class Resource:
 
 
 # ---------------------------------------------------------------------------
+# Messages and sender profiles
+# ---------------------------------------------------------------------------
+
+#: Values that end up in mail headers; the ``str``/``email`` parameter types
+#: refuse line breaks, verify checks stored rows once more.
+_HEADER_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto")
+
+
+def _plain_record(call, row):
+    """The record of a table whose record is its columns, as strings."""
+    return {name: row[name] if isinstance(row[name], str) or row[name] is None else str(row[name])
+            for name in row.keys()}
+
+
+#: Every column is optional: verify says what a message still lacks before
+#: it can be sent.
+MESSAGE = Resource("message", "message", _plain_record,
+                   columns="name:str subject:str fromname:str fromaddress:email replyto:email "
+                           "html:text text:text", repeat={"delete": "id"},
+                   fields=_record_schema(
+                       "id owner name subject fromname fromaddress replyto html text created "
+                       "deleted", deleted=_FLAG_ANSWER),
+                   doc={
+                       "subject": ("The email's subject line; may hold merge tags such as "
+                                   "{{city}}.", "News for {{city}}"),
+                       "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
+                                "<p>Hello from {{city}}</p>"),
+                       "text": ("The plain-text body; merge tags {{field}} are filled per "
+                                "recipient.", "Hello from {{city}}")})
+ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
+                          columns="name:str fromname:str fromaddress:email replyto:email",
+                          repeat={"delete": "id"}, label="sender profile",
+                          fields=_record_schema("id owner name fromname fromaddress replyto"))
+
+
+# ---------------------------------------------------------------------------
 # Datasources
 # ---------------------------------------------------------------------------
 
@@ -5715,42 +5754,6 @@ ORGANIZE = Resource("organize", "organize", _organize_record, parent=DATASOURCE,
 
 
 # ---------------------------------------------------------------------------
-# Messages and sender profiles
-# ---------------------------------------------------------------------------
-
-#: Values that end up in mail headers; the ``str``/``email`` parameter types
-#: refuse line breaks, verify checks stored rows once more.
-_HEADER_COLUMNS = ("name", "subject", "fromname", "fromaddress", "replyto")
-
-
-def _plain_record(call, row):
-    """The record of a table whose record is its columns, as strings."""
-    return {name: row[name] if isinstance(row[name], str) or row[name] is None else str(row[name])
-            for name in row.keys()}
-
-
-#: Every column is optional: verify says what a message still lacks before
-#: it can be sent.
-MESSAGE = Resource("message", "message", _plain_record,
-                   columns="name:str subject:str fromname:str fromaddress:email replyto:email "
-                           "html:text text:text", repeat={"delete": "id"},
-                   fields=_record_schema(
-                       "id owner name subject fromname fromaddress replyto html text created "
-                       "deleted", deleted=_FLAG_ANSWER),
-                   doc={
-                       "subject": ("The email's subject line; may hold merge tags such as "
-                                   "{{city}}.", "News for {{city}}"),
-                       "html": ("The HTML body; merge tags {{field}} are filled per recipient.",
-                                "<p>Hello from {{city}}</p>"),
-                       "text": ("The plain-text body; merge tags {{field}} are filled per "
-                                "recipient.", "Hello from {{city}}")})
-ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
-                          columns="name:str fromname:str fromaddress:email replyto:email",
-                          repeat={"delete": "id"}, label="sender profile",
-                          fields=_record_schema("id owner name fromname fromaddress replyto"))
-
-
-# ---------------------------------------------------------------------------
 # Templates: records and files that wrap a campaign's messages
 # ---------------------------------------------------------------------------
 
@@ -6539,6 +6542,166 @@ def verify_campaign(conn, account, campaign_id, templates_dir=""):
     return {"id": str(campaign_id), "campaign": str(campaign_id), "passed": "1" if passed else "0",
             "checks": checks, "verified": _now()}
 
+
+
+# ---------------------------------------------------------------------------
+# The archive page: a campaign's or a batch's figures as people see them
+# (an archive record asked for by a browser), with the timeline's chart
+# ---------------------------------------------------------------------------
+
+_FIGURES = (("recipients", "Recipients"), ("sent", "Sent"), ("failed", "Failed"),
+            ("bounced", "Bounced"), ("complained", "Complaints"),
+            ("unsubscribed", "Unsubscribed"), ("opened", "Opened (people)"),
+            ("opens", "Opens"), ("clicked", "Clicked (people)"), ("clicks", "Clicks"))
+#: Beyond this many hours the chart shows days.
+_CHART_HOURS = 24 * 31
+_ARCHIVE_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>
+body{{font:16px/1.5 system-ui,sans-serif;max-width:60em;margin:0 auto;padding:1em;color:#1f2328}}
+h1{{font-size:1.5em;margin:.2em 0 .8em}} h2{{font-size:1.15em;margin:1.6em 0 .5em}}
+.figures{{display:grid;grid-template-columns:repeat(auto-fill,minmax(9em,1fr));gap:.6em;margin:0}}
+.figures div{{background:#f6f8fa;border-radius:8px;padding:.6em .8em}}
+.figures dt{{font-size:.85em;color:#57606a}} .figures dd{{margin:0;font-size:1.5em;font-weight:600}}
+figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
+.chart{{overflow-x:auto}} .chart svg{{min-width:640px}}
+.legend{{font-size:.9em;color:#57606a}} .key{{display:inline-block;width:.8em;height:.8em;margin:0 .3em 0 1em;border-radius:2px}}
+table{{border-collapse:collapse;width:100%;font-size:.95em}}
+th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
+td.url{{word-break:break-all}} details{{margin-top:.8em}}
+</style></head>
+<body><main>
+<h1>{title}</h1>
+<dl class="figures">{figures}</dl>
+<h2 id="chart-title">Opens and clicks per {unit}</h2>
+{chart}
+<h2>Links</h2>
+{links}
+</main></body></html>
+"""
+
+
+def _count(value):
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _timeline_buckets(timeline):
+    """[(label, opens, clicks)] per hour from the first to the last hour of
+    ``timeline``, hours without events included (a gap is news too); per day
+    when that would be more than a month of hours.  Returns (unit, buckets)."""
+    counts = {}
+    for point in timeline or ():
+        try:
+            hour = datetime.datetime.strptime(str(point.get("hour"))[:13], "%Y-%m-%d %H")
+        except (AttributeError, ValueError):
+            continue
+        opens, clicks = counts.get(hour, (0, 0))
+        counts[hour] = (opens + _count(point.get("opens")), clicks + _count(point.get("clicks")))
+    if not counts:
+        return "hour", []
+    first, last = min(counts), max(counts)
+    hours = int((last - first).total_seconds() // 3600) + 1
+    if hours <= _CHART_HOURS:
+        moments = (first + datetime.timedelta(hours=n) for n in range(hours))
+        return "hour", [(moment.strftime("%Y-%m-%d %H:00"), *counts.get(moment, (0, 0)))
+                        for moment in moments]
+    days = {}
+    for hour, (opens, clicks) in counts.items():
+        total = days.setdefault(hour.date(), [0, 0])
+        total[0] += opens
+        total[1] += clicks
+    day, buckets = first.date(), []
+    while day <= last.date():
+        buckets.append((day.isoformat(), *days.get(day, (0, 0))))
+        day += datetime.timedelta(days=1)
+    return "day", buckets
+
+
+def _chart(unit, buckets):
+    if not buckets:
+        return '<p>No opens or clicks yet.</p>'
+    width, height, left, bottom, top = 720, 240, 44, 28, 12
+    plot_width, plot_height = width - left - 8, height - bottom - top
+    peak = max(max(opens, clicks) for _, opens, clicks in buckets) or 1
+    step = plot_width / len(buckets)
+    bar = max(step * 0.4, 0.5)
+
+    def y(value):
+        return top + plot_height - plot_height * value / peak
+
+    label_every = max(1, round(len(buckets) / 6))
+    parts = [
+        # On a phone the chart scrolls sideways rather than shrink its labels away.
+        f'<figure><div class="chart" tabindex="0">'
+        f'<svg viewBox="0 0 {width} {height}" role="img" aria-labelledby="chart-title '
+        f'chart-desc" xmlns="http://www.w3.org/2000/svg" font-size="11" '
+        f'font-family="system-ui,sans-serif">',
+        f'<desc id="chart-desc">Bars per {unit}: opens in blue, clicks in orange; highest '
+        f'{peak}. The table below the chart holds the same numbers.</desc>',
+        f'<line x1="{left}" y1="{top + plot_height}" x2="{width - 8}" y2="{top + plot_height}" '
+        f'stroke="#8c959f"/>',
+        f'<line x1="{left}" y1="{top}" x2="{width - 8}" y2="{top}" stroke="#d0d7de" '
+        f'stroke-dasharray="3 3"/>',
+        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#57606a">{peak}</text>',
+        f'<text x="{left - 6}" y="{top + plot_height + 4}" text-anchor="end" '
+        f'fill="#57606a">0</text>']
+    for index, (label, opens, clicks) in enumerate(buckets):
+        x = left + index * step + (step - 2 * bar) / 2
+        label = html.escape(label)
+        parts.append(
+            f'<g class="bucket" data-label="{label}" data-opens="{opens}" data-clicks="{clicks}">'
+            f'<title>{label}: {opens} opens, {clicks} clicks</title>'
+            f'<rect class="opens" x="{x:.1f}" y="{y(opens):.1f}" width="{bar:.1f}" '
+            f'height="{y(0) - y(opens):.1f}" fill="#2f81f7"/>'
+            f'<rect class="clicks" x="{x + bar:.1f}" y="{y(clicks):.1f}" width="{bar:.1f}" '
+            f'height="{y(0) - y(clicks):.1f}" fill="#d4700a"/>')
+        if index % label_every == 0:
+            text = label[5:] if unit == "hour" else label  # the year is in the table
+            parts.append(f'<text x="{left + (index + 0.5) * step:.1f}" y="{height - 8}" '
+                         f'text-anchor="middle" fill="#57606a">{text}</text>')
+        parts.append("</g>")
+    parts.append('</svg></div><figcaption class="legend"><span class="key" style="background:#2f81f7">'
+                 '</span>opens<span class="key" style="background:#d4700a"></span>clicks'
+                 '</figcaption></figure>')
+    rows = "".join(f'<tr><td>{html.escape(label)}</td><td class="n">{opens}</td>'
+                   f'<td class="n">{clicks}</td></tr>' for label, opens, clicks in buckets)
+    parts.append(f'<details><summary>The numbers per {unit}</summary><table><thead><tr>'
+                 f'<th scope="col">{unit.capitalize()} (UTC)</th><th class="n" scope="col">Opens'
+                 f'</th><th class="n" scope="col">Clicks</th></tr></thead><tbody>{rows}'
+                 f'</tbody></table></details>')
+    return "".join(parts)
+
+
+def archive_page(archive_record, title):
+    """An archive (or batch archive) with its statistics as a page for a
+    person: the figures, a chart of opens and clicks over time (inline SVG,
+    nothing loaded from elsewhere) and the links with their clicks.
+
+    :param archive_record: the archive record (counts as
+        strings; ``links`` [{url, clicks, clicked}]; ``timeline`` [{hour,
+        opens, clicks}]).  Every value is escaped.
+    :param title: the page's heading, plain text.
+    """
+    record = archive_record or {}
+    figures = "".join(
+        f'<div><dt>{label}</dt><dd data-figure="{name}">{html.escape(str(record.get(name, "0")))}'
+        f'</dd></div>' for name, label in _FIGURES)
+    rows = "".join(
+        f'<tr><td class="url">{html.escape(str(link.get("url", "")))}</td>'
+        f'<td class="n">{html.escape(str(link.get("clicks", "0")))}</td>'
+        f'<td class="n">{html.escape(str(link.get("clicked", "0")))}</td></tr>'
+        for link in record.get("links") or () if isinstance(link, dict))
+    link_table = ('<table><thead><tr><th scope="col">Link</th><th class="n" scope="col">Clicks'
+                  '</th><th class="n" scope="col">People</th></tr></thead>'
+                  f'<tbody>{rows}</tbody></table>') if rows else "<p>No tracked links.</p>"
+    unit, buckets = _timeline_buckets(record.get("timeline"))
+    return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
+                                chart=_chart(unit, buckets), links=link_table)
 
 
 # ---------------------------------------------------------------------------
@@ -7598,174 +7761,845 @@ def remove_unconfirmed(db, limit=1000):
 
 
 # ---------------------------------------------------------------------------
-# Tracking and rendering helpers: the tracking rewrite, CSS inlining,
-# template wrapping, the archive page.  Each message is prepared
-# once per batch (wrap, inline, track); per recipient only merge values and
-# tokens are filled by _Template.
+# Outgoing HTTP: signing what we post, the addresses we may call, a small
+# HTTP/1.1 client (webhook deliveries, the verify links check, SNS certificates)
 # ---------------------------------------------------------------------------
+#
+# Events are signed by the Standard Webhooks convention and posted only to
+# public addresses (server-side request forgery), to the address that was
+# checked (no second DNS lookup: rebinding), within one time bound, never
+# following redirects.  (The providers' callbacks that come in are Inbound
+# mail's.)
+#
+# The Standard Webhooks signature is one HMAC, written here by hand: the
+# reference library's sign() takes text rather than the body's bytes and
+# turns a non-UTC datetime into a wrong timestamp (standard-webhooks #251, fix
+# still open), so it serves the tests as the receiver instead.
+
+# Instance-metadata services: refused even when private addresses are allowed,
+# since no webhook receiver lives there and they hand out cloud credentials.
+_METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, (
+    "169.254.169.254",    # AWS, GCP, Azure, OpenStack, Oracle
+    "169.254.170.2",      # AWS ECS task metadata
+    "169.254.170.23",     # AWS EKS pod identity
+    "100.100.100.200",    # Alibaba Cloud
+    "192.0.0.192",        # Oracle Cloud (classic)
+    "fd00:ec2::254",      # AWS over IPv6
+    "fd00:ec2::23",       # AWS EKS pod identity over IPv6
+)))
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+_SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")
+_SITE_LOCAL = ipaddress.ip_network("fec0::/10")
+_UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
 
 
-
-# The archive page ----------------------------------------------------------------
-
-_FIGURES = (("recipients", "Recipients"), ("sent", "Sent"), ("failed", "Failed"),
-            ("bounced", "Bounced"), ("complained", "Complaints"),
-            ("unsubscribed", "Unsubscribed"), ("opened", "Opened (people)"),
-            ("opens", "Opens"), ("clicked", "Clicked (people)"), ("clicks", "Clicks"))
-#: Beyond this many hours the chart shows days.
-_CHART_HOURS = 24 * 31
-_ARCHIVE_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
-<style>
-body{{font:16px/1.5 system-ui,sans-serif;max-width:60em;margin:0 auto;padding:1em;color:#1f2328}}
-h1{{font-size:1.5em;margin:.2em 0 .8em}} h2{{font-size:1.15em;margin:1.6em 0 .5em}}
-.figures{{display:grid;grid-template-columns:repeat(auto-fill,minmax(9em,1fr));gap:.6em;margin:0}}
-.figures div{{background:#f6f8fa;border-radius:8px;padding:.6em .8em}}
-.figures dt{{font-size:.85em;color:#57606a}} .figures dd{{margin:0;font-size:1.5em;font-weight:600}}
-figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
-.chart{{overflow-x:auto}} .chart svg{{min-width:640px}}
-.legend{{font-size:.9em;color:#57606a}} .key{{display:inline-block;width:.8em;height:.8em;margin:0 .3em 0 1em;border-radius:2px}}
-table{{border-collapse:collapse;width:100%;font-size:.95em}}
-th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
-td.url{{word-break:break-all}} details{{margin-top:.8em}}
-</style></head>
-<body><main>
-<h1>{title}</h1>
-<dl class="figures">{figures}</dl>
-<h2 id="chart-title">Opens and clicks per {unit}</h2>
-{chart}
-<h2>Links</h2>
-{links}
-</main></body></html>
-"""
+class ProviderAuthError(Exception):
+    """A provider callback that is not authentic: unsigned, forged, altered
+    or replayed too late.  The route answers it with 401."""
 
 
-def _count(value):
+def new_webhook_secret():
+    """A new webhook signing secret: ``whsec_`` and the base64 of 32 random
+    bytes, the form Standard Webhooks libraries read."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
+
+
+def _webhook_key(secret):
+    text = secret.removeprefix("whsec_")
     try:
-        return max(0, int(value))
-    except (TypeError, ValueError):
-        return 0
+        key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("A webhook secret is 'whsec_' and base64 text.") from None
+    if not key:
+        raise ValueError("A webhook secret may not be empty.")
+    return key
 
 
-def _timeline_buckets(timeline):
-    """[(label, opens, clicks)] per hour from the first to the last hour of
-    ``timeline``, hours without events included (a gap is news too); per day
-    when that would be more than a month of hours.  Returns (unit, buckets)."""
-    counts = {}
-    for point in timeline or ():
-        try:
-            hour = datetime.datetime.strptime(str(point.get("hour"))[:13], "%Y-%m-%d %H")
-        except (AttributeError, ValueError):
-            continue
-        opens, clicks = counts.get(hour, (0, 0))
-        counts[hour] = (opens + _count(point.get("opens")), clicks + _count(point.get("clicks")))
-    if not counts:
-        return "hour", []
-    first, last = min(counts), max(counts)
-    hours = int((last - first).total_seconds() // 3600) + 1
-    if hours <= _CHART_HOURS:
-        moments = (first + datetime.timedelta(hours=n) for n in range(hours))
-        return "hour", [(moment.strftime("%Y-%m-%d %H:00"), *counts.get(moment, (0, 0)))
-                        for moment in moments]
-    days = {}
-    for hour, (opens, clicks) in counts.items():
-        total = days.setdefault(hour.date(), [0, 0])
-        total[0] += opens
-        total[1] += clicks
-    day, buckets = first.date(), []
-    while day <= last.date():
-        buckets.append((day.isoformat(), *days.get(day, (0, 0))))
-        day += datetime.timedelta(days=1)
-    return "day", buckets
+def sign_webhook(secret, msg_id, timestamp, body):
+    """The Standard Webhooks headers for one delivery.
 
-
-def _chart(unit, buckets):
-    if not buckets:
-        return '<p>No opens or clicks yet.</p>'
-    width, height, left, bottom, top = 720, 240, 44, 28, 12
-    plot_width, plot_height = width - left - 8, height - bottom - top
-    peak = max(max(opens, clicks) for _, opens, clicks in buckets) or 1
-    step = plot_width / len(buckets)
-    bar = max(step * 0.4, 0.5)
-
-    def y(value):
-        return top + plot_height - plot_height * value / peak
-
-    label_every = max(1, round(len(buckets) / 6))
-    parts = [
-        # On a phone the chart scrolls sideways rather than shrink its labels away.
-        f'<figure><div class="chart" tabindex="0">'
-        f'<svg viewBox="0 0 {width} {height}" role="img" aria-labelledby="chart-title '
-        f'chart-desc" xmlns="http://www.w3.org/2000/svg" font-size="11" '
-        f'font-family="system-ui,sans-serif">',
-        f'<desc id="chart-desc">Bars per {unit}: opens in blue, clicks in orange; highest '
-        f'{peak}. The table below the chart holds the same numbers.</desc>',
-        f'<line x1="{left}" y1="{top + plot_height}" x2="{width - 8}" y2="{top + plot_height}" '
-        f'stroke="#8c959f"/>',
-        f'<line x1="{left}" y1="{top}" x2="{width - 8}" y2="{top}" stroke="#d0d7de" '
-        f'stroke-dasharray="3 3"/>',
-        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#57606a">{peak}</text>',
-        f'<text x="{left - 6}" y="{top + plot_height + 4}" text-anchor="end" '
-        f'fill="#57606a">0</text>']
-    for index, (label, opens, clicks) in enumerate(buckets):
-        x = left + index * step + (step - 2 * bar) / 2
-        label = html.escape(label)
-        parts.append(
-            f'<g class="bucket" data-label="{label}" data-opens="{opens}" data-clicks="{clicks}">'
-            f'<title>{label}: {opens} opens, {clicks} clicks</title>'
-            f'<rect class="opens" x="{x:.1f}" y="{y(opens):.1f}" width="{bar:.1f}" '
-            f'height="{y(0) - y(opens):.1f}" fill="#2f81f7"/>'
-            f'<rect class="clicks" x="{x + bar:.1f}" y="{y(clicks):.1f}" width="{bar:.1f}" '
-            f'height="{y(0) - y(clicks):.1f}" fill="#d4700a"/>')
-        if index % label_every == 0:
-            text = label[5:] if unit == "hour" else label  # the year is in the table
-            parts.append(f'<text x="{left + (index + 0.5) * step:.1f}" y="{height - 8}" '
-                         f'text-anchor="middle" fill="#57606a">{text}</text>')
-        parts.append("</g>")
-    parts.append('</svg></div><figcaption class="legend"><span class="key" style="background:#2f81f7">'
-                 '</span>opens<span class="key" style="background:#d4700a"></span>clicks'
-                 '</figcaption></figure>')
-    rows = "".join(f'<tr><td>{html.escape(label)}</td><td class="n">{opens}</td>'
-                   f'<td class="n">{clicks}</td></tr>' for label, opens, clicks in buckets)
-    parts.append(f'<details><summary>The numbers per {unit}</summary><table><thead><tr>'
-                 f'<th scope="col">{unit.capitalize()} (UTC)</th><th class="n" scope="col">Opens'
-                 f'</th><th class="n" scope="col">Clicks</th></tr></thead><tbody>{rows}'
-                 f'</tbody></table></details>')
-    return "".join(parts)
-
-
-def archive_page(archive_record, title):
-    """An archive (or batch archive) with its statistics as a page for a
-    person: the figures, a chart of opens and clicks over time (inline SVG,
-    nothing loaded from elsewhere) and the links with their clicks.
-
-    :param archive_record: the archive record (counts as
-        strings; ``links`` [{url, clicks, clicked}]; ``timeline`` [{hour,
-        opens, clicks}]).  Every value is escaped.
-    :param title: the page's heading, plain text.
+    :param secret: the webhook's secret (``whsec_...``, from new_webhook_secret()).
+    :param msg_id: the event's id, the same on every retry (receivers dedupe by it).
+    :param timestamp: seconds since the epoch (int), or a timezone-aware datetime.
+    :param body: the exact bytes that will be posted.
+    :returns: ``{"webhook-id", "webhook-timestamp", "webhook-signature"}``,
+        the signature ``v1,`` + base64 HMAC-SHA256 of ``id.timestamp.body``.
     """
-    record = archive_record or {}
-    figures = "".join(
-        f'<div><dt>{label}</dt><dd data-figure="{name}">{html.escape(str(record.get(name, "0")))}'
-        f'</dd></div>' for name, label in _FIGURES)
-    rows = "".join(
-        f'<tr><td class="url">{html.escape(str(link.get("url", "")))}</td>'
-        f'<td class="n">{html.escape(str(link.get("clicks", "0")))}</td>'
-        f'<td class="n">{html.escape(str(link.get("clicked", "0")))}</td></tr>'
-        for link in record.get("links") or () if isinstance(link, dict))
-    link_table = ('<table><thead><tr><th scope="col">Link</th><th class="n" scope="col">Clicks'
-                  '</th><th class="n" scope="col">People</th></tr></thead>'
-                  f'<tbody>{rows}</tbody></table>') if rows else "<p>No tracked links.</p>"
-    unit, buckets = _timeline_buckets(record.get("timeline"))
-    return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
-                                chart=_chart(unit, buckets), links=link_table)
+    if isinstance(timestamp, datetime.datetime):
+        if timestamp.tzinfo is None:
+            raise ValueError("The webhook timestamp must be timezone-aware.")
+        timestamp = timestamp.timestamp()
+    msg_id = str(msg_id)
+    if not msg_id or re.search(r"[\x00-\x20\x7f]", msg_id):
+        raise ValueError("A webhook message id is non-empty and has no spaces or control characters.")
+    body = _as_bytes(body)
+    seconds = str(int(timestamp))
+    digest = hmac.new(_webhook_key(secret), f"{msg_id}.{seconds}.".encode() + body,
+                      hashlib.sha256).digest()
+    return {"webhook-id": msg_id, "webhook-timestamp": seconds,
+            "webhook-signature": "v1," + base64.b64encode(digest).decode("ascii")}
+
+
+def _as_bytes(body):
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a body is bytes, not {type(body).__name__}")
+    return bytes(body)
+
+
+# Addresses and URLs -----------------------------------------------------------
+
+def _address_problem(ip, allow_private):
+    """Why a webhook may not call ``ip`` (a phrase), or None when it may."""
+    if ip.version == 6:
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and ip in _NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            problem = _address_problem(embedded, allow_private)
+            return problem and f"{problem} ({embedded} in an IPv6 form)"
+    if ip in _METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    if allow_private:
+        return None
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_link_local:
+        return "a link-local address"
+    if ip.is_unspecified:
+        return "the unspecified address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip.version == 6 and ip in _UNIQUE_LOCAL:
+        return "a unique-local address"
+    if ip.version == 6 and (ip in _SITE_LOCAL or ip in _LOCAL_NAT64):
+        return "a private address"
+    if ip.version == 6 and ip in _IPV4_COMPATIBLE:
+        return "a reserved address"
+    if ip.is_reserved:
+        return "a reserved address"
+    if ip.is_private or (ip.version == 4 and ip in _SHARED_ADDRESS_SPACE):
+        return "a private address"
+    if not ip.is_global:
+        return "a reserved address"
+    return None
+
+
+def _remaining(deadline):
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the time allowed ran out")
+    return left
+
+
+def _http_target(url):
+    """(scheme, host, port, request target, Host header) of an http(s) URL,
+    or ValueError with a sentence the person who typed it can act on."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("The URL must be text such as https://example.com/hook.")
+    if len(url) > 2048:
+        raise ValueError("The URL is longer than 2048 characters.")
+    if re.search(r"[\x00-\x20\x7f]", url):
+        raise ValueError("The URL must not contain spaces or control characters.")
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:   # an unclosed [ of an IPv6 address
+        raise ValueError("The URL's host or port is not valid.") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError("The URL must start with http:// or https://.")
+    if "@" in parts.netloc:
+        raise ValueError("The URL must not contain a user name or password.")
+    try:
+        port = parts.port
+        host = (parts.hostname or "").rstrip(".")
+        host = host.encode("idna").decode("ascii") if host else ""
+    except (ValueError, UnicodeError):
+        raise ValueError("The URL's host or port is not valid.") from None
+    if not host:
+        raise ValueError("The URL must name a host, as in https://example.com/hook.")
+    if "%" in host:   # [fe80::1%25eth0] (RFC 6874), and no DNS name has one
+        raise ValueError("The URL's host must not contain '%': an IPv6 zone such as %25eth0 "
+                         "names a network interface of the sender, not the receiver.")
+    scheme = parts.scheme.lower()
+    default = 443 if scheme == "https" else 80
+    if port == 0:
+        raise ValueError("The URL's port must be between 1 and 65535.")
+    port = port or default
+    # Non-ASCII in the path or query is sent percent-encoded, as browsers do.
+    target = urllib.parse.quote(parts.path or "/", safe="/%!$&'()*+,;=:@-._~")
+    if parts.query:
+        target += "?" + urllib.parse.quote(parts.query, safe="/%!$&'()*+,;=:@-._~?")
+    shown = f"[{host}]" if ":" in host else host
+    return scheme, host, port, target, shown if port == default else f"{shown}:{port}"
+
+
+def _resolve(host, port, deadline):
+    """getaddrinfo() within the deadline (it has no timeout of its own)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:   # no DNS: an address that cannot be used is the URL's fault
+        try:
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            raise ValueError(f"The URL's address {host} cannot be used ({error}).") from None
+    answer = {}
+
+    def look_up():
+        try:
+            answer["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            answer["error"] = error
+
+    thread = threading.Thread(target=look_up, name="campaignapi-dns", daemon=True)
+    thread.start()
+    thread.join(_remaining(deadline))
+    if thread.is_alive():
+        raise TimeoutError(f"the host {host} did not resolve in time")
+    if "error" in answer:
+        raise UnresolvedHost(f"The URL's host {host} cannot be resolved ({answer['error']}).")
+    return answer["infos"]
+
+
+def _checked_addresses(host, port, allow_private, deadline):
+    """The (family, sockaddr) pairs ``host`` resolves to, all of them allowed,
+    else ValueError naming the first refused address."""
+    seen, addresses = set(), []
+    for family, _type, _proto, _name, sockaddr in _resolve(host, port, deadline):
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        problem = _address_problem(ip, allow_private)
+        if problem:
+            hint = ("" if allow_private or "metadata" in problem else
+                    " (the setting webhook_allow_private allows loopback and private ones)")
+            where = f"address {ip} is" if host == str(ip) else f"host {host} resolves to {ip},"
+            raise ValueError(f"The URL's {where} {problem}; webhooks call only public"
+                             f" addresses{hint}.")
+        if sockaddr not in seen:
+            seen.add(sockaddr)
+            addresses.append((family, sockaddr))
+    if not addresses:
+        raise ValueError(f"The URL's host {host} has no address.")
+    return addresses
+
+
+class UnresolvedHost(ValueError):
+    """A webhook URL whose host does not resolve (now: DNS may change)."""
+
+
+def check_webhook_url(url, allow_private=False, timeout=10.0):
+    """Check a webhook URL before storing it: http or https, a host, no user
+    name or password, and every address the host resolves to public.
+
+    :param url: the URL as given.
+    :param allow_private: the setting ``webhook_allow_private``: loopback and
+        private addresses allowed (cloud metadata addresses never are).
+    :param timeout: seconds the DNS lookup may take.
+    :returns: the addresses the host resolves to, as text.
+    :raises ValueError: with a sentence saying what to change.
+    """
+    _scheme, host, port, _target, _host_header = _http_target(url)
+    try:
+        addresses = _checked_addresses(host, port, allow_private, time.monotonic() + timeout)
+    except TimeoutError:
+        raise UnresolvedHost(f"The URL's host {host} did not resolve within {timeout:g} "
+                             "seconds.") from None
+    return [sockaddr[0] for _family, sockaddr in addresses]
+
+
+# A small HTTP/1.1 client ------------------------------------------------------
+# Written on sockets rather than http.client because the checked address must
+# be the one connected to (http.client looks the name up again), and because
+# every read must share one deadline (a socket timeout restarts on each byte a
+# slow receiver drips).
+
+def _connect(addresses, deadline):
+    error = None
+    for family, sockaddr in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.connect(sockaddr)
+            return sock
+        except OSError as failure:
+            sock.close()
+            error = failure
+            if isinstance(failure, TimeoutError):
+                break
+    raise error
+
+
+def _send_all(sock, data, deadline):
+    view = memoryview(data)
+    while view:
+        sock.settimeout(_remaining(deadline))
+        sent = sock.send(view[:65536])
+        view = view[sent:]
+
+
+def _recv(sock, deadline, size):
+    sock.settimeout(_remaining(deadline))
+    return sock.recv(min(size, 65536))
+
+
+def _read_head(sock, deadline, limit):
+    """(status, headers, bytes after the head) of the final answer; interim
+    1xx answers are skipped."""
+    data = b""
+    while True:
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            if len(data) >= limit:
+                raise ValueError(f"the answer's headers are longer than {limit} bytes")
+            chunk = _recv(sock, deadline, limit - len(data))
+            if not chunk:
+                raise ConnectionError("the receiver closed the connection without an answer")
+            data += chunk
+            continue
+        lines = data[:end].decode("latin-1").split("\r\n")
+        match = re.fullmatch(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: .*)?", lines[0])
+        if not match:
+            raise ValueError("the receiver did not answer in HTTP/1.x")
+        status, data = int(match.group(1)), data[end + 4:]
+        if 100 <= status < 200 and status != 101:
+            continue
+        headers = {}
+        for line in lines[1:]:
+            name, _colon, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers, data
+
+
+def _dechunk(data):
+    """(body, complete) of a chunked transfer coding read so far."""
+    body, position = b"", 0
+    while True:
+        end = data.find(b"\r\n", position)
+        if end < 0:
+            return body, False
+        try:
+            size = int(data[position:end].split(b";")[0], 16)
+        except ValueError:
+            raise ValueError("the answer's chunked body is malformed") from None
+        if size == 0:
+            return body, True
+        start = end + 2
+        if len(data) < start + size + 2:
+            return body + data[start:start + size], False
+        body += data[start:start + size]
+        position = start + size + 2
+
+
+def _read_http_body(sock, deadline, headers, data, limit):
+    """The body, read up to ``limit`` bytes; ValueError when longer."""
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+    length = headers.get("content-length", "")
+    length = int(length) if length.isdigit() and not chunked else None
+    if length is not None and length > limit:
+        raise ValueError(f"the answer is longer than {limit} bytes")
+    while True:
+        if chunked and _dechunk(data)[1] or length is not None and len(data) >= length:
+            break
+        if len(data) > limit:
+            raise ValueError(f"the answer is longer than {limit} bytes")
+        chunk = _recv(sock, deadline, limit + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return _dechunk(data)[0] if chunked else data[:length]
+
+
+def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_response,
+                   context, read_body):
+    """One request to the checked address of ``url``: (status, body or None)."""
+    deadline = time.monotonic() + timeout
+    scheme, host, port, target, host_header = _http_target(url)
+    sock = _connect(_checked_addresses(host, port, allow_private, deadline), deadline)
+    try:
+        if scheme == "https":
+            sock.settimeout(_remaining(deadline))   # the handshake as a whole
+            sock = (context or ssl.create_default_context()).wrap_socket(
+                sock, server_hostname=host)
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}",
+                 f"User-Agent: campaignapi/{__version__}", "Connection: close",
+                 f"Content-Length: {len(body)}"]
+        for name, value in headers.items():
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or \
+                    re.search(r"[\x00-\x1f\x7f]", str(value)):
+                raise ValueError(f"the header {name!r} cannot be sent")
+            lines.append(f"{name}: {value}")
+        _send_all(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body, deadline)
+        status, answer_headers, rest = _read_head(sock, deadline, max_response)
+        if not read_body:
+            return status, None
+        return status, _read_http_body(sock, deadline, answer_headers, rest, max_response)
+    finally:
+        sock.close()
+
+
+def _exchange_failure(error, timeout):
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return f"the TLS certificate was refused: {error.verify_message}"
+    if isinstance(error, TimeoutError):   # socket.timeout too
+        return f"no answer within {timeout:g} seconds"
+    text = str(error) or type(error).__name__
+    return text[0].lower() + text[1:].rstrip(".")
+
+
+def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
+                 max_response=65536, context=None):
+    """POST one signed event to a webhook receiver.
+
+    The host is resolved once, every address checked (check_webhook_url()'s
+    rules), and the checked address itself is connected to, with the URL's
+    host name in the Host header and, for https, in SNI and the certificate
+    check.  Redirects are not followed (a 3xx is a failure), at most
+    ``max_response`` bytes of the answer are read, and the whole exchange,
+    DNS included, ends within ``timeout`` seconds.
+
+    :param url: the webhook's URL.
+    :param headers: extra headers, usually sign_webhook()'s; Content-Type
+        defaults to application/json.
+    :param body: the bytes to post.
+    :param allow_private: the setting ``webhook_allow_private``.
+    :param timeout: seconds the whole exchange may take.
+    :param max_response: bytes of the answer read at most.
+    :param context: the ssl.SSLContext for https (default: the system's CAs).
+    :returns: ``(status, None)`` on a 2xx answer, else ``(status or None,
+        error)`` with a phrase for the webhook's record; it never raises for
+        anything the receiver or the network does.
+    """
+    if not any(name.lower() == "content-type" for name in headers):
+        headers = {"Content-Type": "application/json", **headers}
+    try:
+        status, _ = _http_exchange("POST", url, headers, _as_bytes(body),
+                                   allow_private=allow_private,
+                                   timeout=timeout, max_response=max_response,
+                                   context=context, read_body=False)
+    except (OSError, ValueError) as error:   # refusals, DNS, TLS, timeouts, bad answers
+        return None, _exchange_failure(error, timeout)
+    if 200 <= status < 300:
+        return status, None
+    if 300 <= status < 400:
+        return status, f"the receiver answered {status}, a redirect, which is not followed"
+    return status, f"the receiver answered {status}"
+
+
+def fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
+    """GET an https URL's body, with post_webhook()'s guards (checked address,
+    one deadline, no redirects, bounded size).  The default ``fetch`` of
+    read_sns() for signing certificates and subscription confirmations.
+
+    :param url: an https URL.
+    :param context: the ssl.SSLContext (default: the system's CAs).
+    :param allow_private: allow loopback and private addresses (tests).
+    :param timeout: seconds the whole exchange may take.
+    :param max_bytes: the longest body accepted.
+    :returns: the body, after a 200 answer.
+    :raises OSError or ValueError: on any failure.
+    """
+    if not url.lower().startswith("https://"):
+        raise ValueError("only https URLs are fetched")
+    status, body = _http_exchange("GET", url, {}, b"", allow_private=allow_private,
+                                  timeout=timeout, max_response=max_bytes,
+                                  context=context, read_body=True)
+    if status != 200:
+        raise ValueError(f"{url} answered {status}")
+    return body
 
 
 # ---------------------------------------------------------------------------
-# Inbound mail: reading bounces and complaints, the bounce mailbox
+# Inbound mail: reading bounces and complaints (raw messages, the providers'
+# callbacks), the bounce mailbox
 # ---------------------------------------------------------------------------
+
+# Provider callbacks -----------------------------------------------------------
+#
+# The four providers' bounce and complaint callbacks, each authenticated the
+# provider's way, each read into the same small event dicts ``{"email",
+# "type", "reason", "message_id"}``.  RSA (SNS) and ECDSA (SendGrid) need
+# ``cryptography``, imported only when those two run.
+
+#: Seconds a signed provider callback stays acceptable (Mailgun, SendGrid);
+#: older ones are replays.
+PROVIDER_MAX_AGE = 15 * 60
+#: SNS retries an HTTP delivery for at most an hour, so its messages may be
+#: that old, plus the same margin for clocks.
+SNS_MAX_AGE = 3600 + PROVIDER_MAX_AGE
+#: Where an SNS signing certificate or subscription URL may live (host[:port]).
+SNS_CERT_HOST = r"sns\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?"
+
+
+def _crypto():
+    """The parts of ``cryptography`` that SNS and SendGrid verification use."""
+    try:
+        from cryptography import exceptions, x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+    except ImportError:
+        raise RuntimeError("Verifying SES and SendGrid callbacks needs the cryptography"
+                           " package: pip install 'campaignapi[providers]'.") from None
+    return types.SimpleNamespace(InvalidSignature=exceptions.InvalidSignature, x509=x509,
+                                 hashes=hashes, serialization=serialization, ec=ec,
+                                 padding=padding, rsa=rsa)
+
+
+class _NotJson(ValueError):
+    """A provider call whose body (or a part of it) is not JSON."""
+
+
+def _json_body(body, what="The body"):
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError, TypeError):   # also bad UTF-8 and deep nesting
+        raise _NotJson(f"{what} is not JSON.") from None
+
+
+def _text(value, what, required=True):
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise ValueError(f"{what} is missing or not text.")
+    return value.strip()
+
+
+def _event(email, kind, reason, message_id):
+    return {"email": _text(email, "The recipient's address"), "type": kind,
+            "reason": reason if isinstance(reason, str) else "",
+            "message_id": message_id if isinstance(message_id, str) and message_id else None}
+
+
+def _fresh(seconds, max_age, what):
+    """ProviderAuthError unless ``seconds`` (epoch) is within ``max_age`` of now."""
+    if abs(time.time() - seconds) > max_age:
+        raise ProviderAuthError(f"The {what} is more than {max_age // 60} minutes from now:"
+                                " a replay, or a clock that is wrong.")
+
+
+def _is_seconds(text):
+    """Whether ``text`` is a plausible epoch time in whole seconds."""
+    return isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 12
+
+
+def _mapping(value, what):
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a JSON object.")
+    return value
+
+
+# Amazon SES through SNS -------------------------------------------------------
+
+_SNS_SIGNED_FIELDS = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                 "TopicArn", "Type"),
+    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                "TopicArn", "Type"),
+}
+_SNS_CERTS = {}     # certificate URL -> public key; AWS rotates by URL
+_SNS_CERTS_LOCK = threading.Lock()
+
+
+def _sns_url(url, pattern, what):
+    try:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme != "https" or "@" in parts.netloc or \
+            not re.fullmatch(pattern, parts.netloc):
+        raise ProviderAuthError(f"The {what} {url!r} is not an https URL of Amazon SNS.")
+    return url
+
+
+def _sns_key(url, fetch):
+    with _SNS_CERTS_LOCK:
+        key = _SNS_CERTS.get(url)
+    if key is not None:
+        return key
+    crypto = _crypto()
+    try:
+        key = crypto.x509.load_pem_x509_certificate(fetch(url)).public_key()
+    except Exception as error:  # noqa: BLE001 -- fetch is the caller's; any failure: unverifiable
+        raise ProviderAuthError(f"The SNS signing certificate could not be read: {error}") from None
+    if not isinstance(key, crypto.rsa.RSAPublicKey):
+        raise ProviderAuthError("The SNS signing certificate has no RSA key.")
+    with _SNS_CERTS_LOCK:
+        if len(_SNS_CERTS) >= 64:
+            _SNS_CERTS.pop(next(iter(_SNS_CERTS)))
+        _SNS_CERTS[url] = key
+    return key
+
+
+def _sns_verify(message, fetch, pattern):
+    signature, version = message.get("Signature"), message.get("SignatureVersion")
+    cert_url = message.get("SigningCertURL")
+    if not (isinstance(signature, str) and signature and cert_url):
+        raise ProviderAuthError("The SNS message is not signed.")
+    if version not in ("1", "2"):
+        raise ProviderAuthError(f"The SNS SignatureVersion {version!r} is not known (1 or 2).")
+    try:
+        signature = base64.b64decode(signature, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProviderAuthError("The SNS signature is not base64.") from None
+    canonical = "".join(f"{name}\n{message[name]}\n" for name in _SNS_SIGNED_FIELDS[message["Type"]]
+                        if message.get(name) is not None)
+    key = _sns_key(_sns_url(cert_url, pattern, "SigningCertURL"), fetch)
+    crypto = _crypto()
+    digest = crypto.hashes.SHA1() if version == "1" else crypto.hashes.SHA256()
+    try:
+        key.verify(signature, canonical.encode("utf-8"), crypto.padding.PKCS1v15(), digest)
+    except crypto.InvalidSignature:
+        raise ProviderAuthError("The SNS signature does not match the message.") from None
+
+
+def _ses_events(notification):
+    """The events of one SES notification (notification or event publishing)."""
+    kind = notification.get("notificationType") or notification.get("eventType")
+    mail = notification.get("mail")
+    message_id = mail.get("messageId") if isinstance(mail, dict) else None
+    events = []
+    if kind == "Bounce":
+        bounce = _mapping(notification.get("bounce"), "The SES bounce")
+        hard = bounce.get("bounceType") == "Permanent"
+        recipients = bounce.get("bouncedRecipients")
+        if not isinstance(recipients, list):
+            raise ValueError("The SES bounce lists no bouncedRecipients.")
+        for recipient in recipients:
+            recipient = _mapping(recipient, "An SES bounced recipient")
+            reason = recipient.get("diagnosticCode") or bounce.get("bounceSubType")
+            events.append(_event(recipient.get("emailAddress"), "hard" if hard else "soft",
+                                 reason, message_id))
+    elif kind == "Complaint":
+        complaint = _mapping(notification.get("complaint"), "The SES complaint")
+        recipients = complaint.get("complainedRecipients")
+        if not isinstance(recipients, list):
+            raise ValueError("The SES complaint lists no complainedRecipients.")
+        for recipient in recipients:
+            recipient = _mapping(recipient, "An SES complained recipient")
+            events.append(_event(recipient.get("emailAddress"), "complaint",
+                                 complaint.get("complaintFeedbackType") or "complaint",
+                                 message_id))
+    return events
+
+
+def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_HOST):
+    """Read an Amazon SNS delivery to ``/v1/bounce/ses``: SES bounce and
+    complaint notifications, and subscription confirmations (confirmed here by
+    fetching their SubscribeURL).
+
+    The signature (SignatureVersion 1, SHA1withRSA, or 2, SHA256withRSA, over
+    the documented canonical string) is always checked, against the
+    certificate at SigningCertURL, which must be https on a host matching
+    ``cert_url_pattern``; certificates are cached by URL.
+
+    :param body: the request body, bytes.
+    :param topic_arns: the SNS topics accepted (setting ``ses_topic_arns``).
+    :param fetch: ``fetch(url) -> bytes`` for certificates and SubscribeURLs.
+    :param cert_url_pattern: a regular expression the URLs' host[:port] must
+        match entirely (default: ``sns.<region>.amazonaws.com``).
+    :returns: a list of ``{"email", "type", "reason", "message_id"}``.
+    :raises ProviderAuthError: unsigned, forged, altered, from another topic, too old.
+    :raises ValueError: not JSON or not shaped like SNS and SES messages, or a
+        confirmation that could not be fetched.
+    """
+    if isinstance(topic_arns, str):   # one ARN, not the letters of one
+        topic_arns = (topic_arns,)
+    message = _mapping(_json_body(body), "The SNS message")
+    kind = message.get("Type")
+    if not isinstance(kind, str) or kind not in _SNS_SIGNED_FIELDS:
+        raise ValueError(f"The SNS message Type {kind!r} is not known.")
+    for name in _SNS_SIGNED_FIELDS[kind]:
+        _text(message.get(name), f"The SNS field {name}", required=name != "Subject")
+    if message["TopicArn"] not in topic_arns:
+        raise ProviderAuthError(f"The SNS topic {message['TopicArn']} is not one accepted here.")
+    _sns_verify(message, fetch, cert_url_pattern)
+    try:
+        sent = datetime.datetime.fromisoformat(message["Timestamp"])
+        seconds = sent.timestamp() if sent.tzinfo else None
+    except ValueError:
+        seconds = None
+    if seconds is None:
+        raise ValueError("The SNS Timestamp is not an ISO 8601 time with its zone.")
+    _fresh(seconds, SNS_MAX_AGE, "SNS message's Timestamp")
+    if kind == "SubscriptionConfirmation":
+        url = _sns_url(message["SubscribeURL"], cert_url_pattern, "SubscribeURL")
+        try:
+            fetch(url)
+        except Exception as error:  # noqa: BLE001 -- fetch is the caller's; 400 makes SNS retry
+            raise ValueError(f"The SNS subscription could not be confirmed: {error}") from None
+        return []
+    if kind == "UnsubscribeConfirmation":
+        return []
+    notification = _json_body(message["Message"], "The SNS Message")
+    return _ses_events(_mapping(notification, "The SES notification"))
+
+
+# Mailgun ---------------------------------------------------------------------
+
+def read_mailgun(body, signing_key):
+    """Read a Mailgun webhook call (JSON) to ``/v1/bounce/mailgun``.
+
+    :param body: the request body, bytes.
+    :param signing_key: the account's HTTP webhook signing key.
+    :returns: a list of events: ``failed`` permanent (hard), temporary (soft),
+        ``complained``; other events give an empty list.
+    :raises ProviderAuthError: signature missing or wrong, or older than
+        PROVIDER_MAX_AGE.
+    :raises ValueError: not JSON or not shaped like a Mailgun webhook.
+    """
+    if not signing_key:
+        raise ProviderAuthError("No Mailgun signing key is configured.")
+    call = _mapping(_json_body(body), "The Mailgun call")
+    signed = call.get("signature")
+    if not isinstance(signed, dict):
+        raise ProviderAuthError("The Mailgun call is not signed.")
+    timestamp, token, signature = (signed.get(name) for name in ("timestamp", "token", "signature"))
+    if isinstance(timestamp, int) and not isinstance(timestamp, bool):
+        timestamp = str(timestamp)
+    if not all(isinstance(v, str) and v for v in (timestamp, token, signature)) or \
+            not _is_seconds(timestamp):
+        raise ProviderAuthError("The Mailgun signature needs a timestamp, token and signature.")
+    expected = hmac.new(signing_key.encode("utf-8"), (timestamp + token).encode("utf-8"),
+                        hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected.encode(), signature.lower().encode("utf-8")):
+        raise ProviderAuthError("The Mailgun signature does not match.")
+    _fresh(int(timestamp), PROVIDER_MAX_AGE, "Mailgun signature's timestamp")
+    data = _mapping(call.get("event-data"), "The Mailgun event-data")
+    event, severity = data.get("event"), data.get("severity")
+    message = data.get("message")
+    headers = message.get("headers") if isinstance(message, dict) else None
+    message_id = headers.get("message-id") if isinstance(headers, dict) else None
+    if event == "failed" and severity in ("permanent", "temporary"):
+        status = data.get("delivery-status")
+        status = status if isinstance(status, dict) else {}
+        reason = status.get("description") or status.get("message") or data.get("reason")
+        return [_event(data.get("recipient"), "hard" if severity == "permanent" else "soft",
+                       reason, message_id)]
+    if event == "complained":
+        return [_event(data.get("recipient"), "complaint", "complaint", message_id)]
+    return []
+
+
+# Postmark --------------------------------------------------------------------
+
+# Postmark's bounce Types (its API's BounceType list) that say something about
+# the address; the others (AutoResponder, Subscribe, OpenRelayTest, DMARCPolicy,
+# SpamNotification, ...) are not about the recipient and are ignored.
+_POSTMARK_HARD = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivated"})
+_POSTMARK_SOFT = frozenset({"SoftBounce", "Transient", "DnsError", "Blocked", "Unknown"})
+
+
+def read_postmark(body, authorization_header, credentials):
+    """Read a Postmark bounce or spam complaint webhook to ``/v1/bounce/postmark``.
+
+    :param body: the request body, bytes.
+    :param authorization_header: the request's Authorization header (or None).
+    :param credentials: ``user:password`` configured on both sides (setting
+        ``postmark_credentials``), checked in constant time.
+    :returns: a list of at most one event.
+    :raises ProviderAuthError: no or wrong basic credentials.
+    :raises ValueError: not JSON or not shaped like a Postmark webhook.
+    """
+    if not credentials:
+        raise ProviderAuthError("No Postmark credentials are configured.")
+    scheme, _space, encoded = (authorization_header or "").strip().partition(" ")
+    try:
+        given = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        given = b""
+    if scheme.lower() != "basic" or not given:
+        raise ProviderAuthError("The Postmark call has no basic credentials.")
+    if not hmac.compare_digest(given, credentials.encode("utf-8")):
+        raise ProviderAuthError("The Postmark credentials are wrong.")
+    record = _mapping(_json_body(body), "The Postmark call")
+    record_type, kind = record.get("RecordType"), record.get("Type")
+    kind = kind if isinstance(kind, str) else None
+    reason = record.get("Description") or record.get("Details") or kind
+    if record_type == "SpamComplaint" or (record_type == "Bounce" and kind == "SpamComplaint"):
+        return [_event(record.get("Email"), "complaint", reason, record.get("MessageID"))]
+    if record_type == "Bounce" and kind in _POSTMARK_HARD | _POSTMARK_SOFT:
+        return [_event(record.get("Email"), "hard" if kind in _POSTMARK_HARD else "soft",
+                       reason, record.get("MessageID"))]
+    return []
+
+
+# SendGrid --------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def load_sendgrid_public_key(text):
+    """The SendGrid event webhook verification key, as cryptography's key.
+
+    :param text: base64 DER (as SendGrid shows it) or PEM.
+    :raises ValueError: not a P-256 public key (check the setting at start).
+    """
+    crypto = _crypto()
+    try:
+        if "BEGIN PUBLIC KEY" in text:
+            key = crypto.serialization.load_pem_public_key(text.encode("ascii"))
+        else:
+            key = crypto.serialization.load_der_public_key(
+                base64.b64decode("".join(text.split()), validate=True))
+    except (ValueError, TypeError, binascii.Error, UnicodeError):
+        raise ValueError("The SendGrid public key is not base64 DER or PEM.") from None
+    if not isinstance(key, crypto.ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+        raise ValueError("The SendGrid public key is not an ECDSA P-256 key.")
+    return key
+
+
+def read_sendgrid(body, signature_header, timestamp_header, public_key):
+    """Read a signed SendGrid event webhook call to ``/v1/bounce/sendgrid``.
+
+    :param body: the request body, bytes, exactly as received.
+    :param signature_header: X-Twilio-Email-Event-Webhook-Signature (base64
+        DER ECDSA P-256 / SHA-256 over timestamp + body).
+    :param timestamp_header: X-Twilio-Email-Event-Webhook-Timestamp.
+    :param public_key: the verification key, text (base64 DER or PEM) or the
+        object from load_sendgrid_public_key().
+    :returns: events for ``bounce`` (type bounce: hard, blocked: soft),
+        ``dropped`` (Bounced Address: hard, Spam Reporting Address: complaint)
+        and ``spamreport``; others are ignored.
+    :raises ProviderAuthError: unsigned, forged, or older than PROVIDER_MAX_AGE.
+    :raises ValueError: not JSON or not shaped like SendGrid events.
+    """
+    key = load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
+    if not signature_header or not timestamp_header:
+        raise ProviderAuthError("The SendGrid call is not signed.")
+    if not _is_seconds(timestamp_header):
+        raise ProviderAuthError("The SendGrid timestamp is not a number.")
+    try:
+        signature = base64.b64decode(signature_header.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ProviderAuthError("The SendGrid signature is not base64.") from None
+    crypto = _crypto()
+    try:
+        key.verify(signature, timestamp_header.encode("ascii") + _as_bytes(body),
+                   crypto.ec.ECDSA(crypto.hashes.SHA256()))
+    except crypto.InvalidSignature:
+        raise ProviderAuthError("The SendGrid signature does not match.") from None
+    _fresh(int(timestamp_header), PROVIDER_MAX_AGE, "SendGrid timestamp")
+    calls = _json_body(body)
+    if not isinstance(calls, list):
+        raise ValueError("The SendGrid call is not a JSON array of events.")
+    found = []
+    for item in calls:
+        item = _mapping(item, "A SendGrid event")
+        event, reason = item.get("event"), item.get("reason")
+        message_id = item.get("smtp-id") or item.get("sg_message_id")
+        if event == "bounce":
+            kind = "soft" if item.get("type") == "blocked" else "hard"
+        elif event == "dropped" and reason == "Bounced Address":
+            kind = "hard"
+        elif event == "spamreport" or (event == "dropped" and reason == "Spam Reporting Address"):
+            kind, reason = "complaint", reason or "spamreport"
+        else:
+            continue
+        found.append(_event(item.get("email"), kind, reason, message_id))
+    return found
+
+
 
 #: Bytes of a bounce that are read; the rest, nearly always the tail of the
 #: returned original (whose headers come first), is cut so that a huge
@@ -8963,836 +9797,6 @@ def _run_couriers(couriers):
 
 
 # ---------------------------------------------------------------------------
-# Signed HTTP: outgoing webhooks and provider callbacks
-# ---------------------------------------------------------------------------
-#
-# Outgoing: events are signed by the Standard Webhooks convention and posted
-# only to public addresses (server-side request forgery), to the address that
-# was checked (no second DNS lookup: rebinding), within one time bound, never
-# following redirects.  Incoming: the four providers' bounce and complaint
-# callbacks, each authenticated the provider's way, each read into the same
-# small event dicts ``{"email", "type", "reason", "message_id"}``.
-#
-# The Standard Webhooks signature is one HMAC, written here by hand: the
-# reference library's sign() takes text rather than the body's bytes and
-# turns a non-UTC datetime into a wrong timestamp (standard-webhooks #251, fix
-# still open), so it serves the tests as the receiver instead.  RSA (SNS) and
-# ECDSA (SendGrid) need ``cryptography``, imported only when those two run.
-
-#: Seconds a signed provider callback stays acceptable (Mailgun, SendGrid);
-#: older ones are replays.
-PROVIDER_MAX_AGE = 15 * 60
-#: SNS retries an HTTP delivery for at most an hour, so its messages may be
-#: that old, plus the same margin for clocks.
-SNS_MAX_AGE = 3600 + PROVIDER_MAX_AGE
-#: Where an SNS signing certificate or subscription URL may live (host[:port]).
-SNS_CERT_HOST = r"sns\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?"
-
-# Instance-metadata services: refused even when private addresses are allowed,
-# since no webhook receiver lives there and they hand out cloud credentials.
-_METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, (
-    "169.254.169.254",    # AWS, GCP, Azure, OpenStack, Oracle
-    "169.254.170.2",      # AWS ECS task metadata
-    "169.254.170.23",     # AWS EKS pod identity
-    "100.100.100.200",    # Alibaba Cloud
-    "192.0.0.192",        # Oracle Cloud (classic)
-    "fd00:ec2::254",      # AWS over IPv6
-    "fd00:ec2::23",       # AWS EKS pod identity over IPv6
-)))
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
-_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
-_SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")
-_SITE_LOCAL = ipaddress.ip_network("fec0::/10")
-_UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
-
-
-class ProviderAuthError(Exception):
-    """A provider callback that is not authentic: unsigned, forged, altered
-    or replayed too late.  The route answers it with 401."""
-
-
-def new_webhook_secret():
-    """A new webhook signing secret: ``whsec_`` and the base64 of 32 random
-    bytes, the form Standard Webhooks libraries read."""
-    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
-
-
-def _webhook_key(secret):
-    text = secret.removeprefix("whsec_")
-    try:
-        key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("A webhook secret is 'whsec_' and base64 text.") from None
-    if not key:
-        raise ValueError("A webhook secret may not be empty.")
-    return key
-
-
-def sign_webhook(secret, msg_id, timestamp, body):
-    """The Standard Webhooks headers for one delivery.
-
-    :param secret: the webhook's secret (``whsec_...``, from new_webhook_secret()).
-    :param msg_id: the event's id, the same on every retry (receivers dedupe by it).
-    :param timestamp: seconds since the epoch (int), or a timezone-aware datetime.
-    :param body: the exact bytes that will be posted.
-    :returns: ``{"webhook-id", "webhook-timestamp", "webhook-signature"}``,
-        the signature ``v1,`` + base64 HMAC-SHA256 of ``id.timestamp.body``.
-    """
-    if isinstance(timestamp, datetime.datetime):
-        if timestamp.tzinfo is None:
-            raise ValueError("The webhook timestamp must be timezone-aware.")
-        timestamp = timestamp.timestamp()
-    msg_id = str(msg_id)
-    if not msg_id or re.search(r"[\x00-\x20\x7f]", msg_id):
-        raise ValueError("A webhook message id is non-empty and has no spaces or control characters.")
-    body = _as_bytes(body)
-    seconds = str(int(timestamp))
-    digest = hmac.new(_webhook_key(secret), f"{msg_id}.{seconds}.".encode() + body,
-                      hashlib.sha256).digest()
-    return {"webhook-id": msg_id, "webhook-timestamp": seconds,
-            "webhook-signature": "v1," + base64.b64encode(digest).decode("ascii")}
-
-
-def _as_bytes(body):
-    if isinstance(body, str):
-        return body.encode("utf-8")
-    if not isinstance(body, (bytes, bytearray, memoryview)):
-        raise TypeError(f"a body is bytes, not {type(body).__name__}")
-    return bytes(body)
-
-
-# Addresses and URLs -----------------------------------------------------------
-
-def _address_problem(ip, allow_private):
-    """Why a webhook may not call ``ip`` (a phrase), or None when it may."""
-    if ip.version == 6:
-        embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            problem = _address_problem(embedded, allow_private)
-            return problem and f"{problem} ({embedded} in an IPv6 form)"
-    if ip in _METADATA_ADDRESSES:
-        return "a cloud metadata address"
-    if allow_private:
-        return None
-    if ip.is_loopback:
-        return "a loopback address"
-    if ip.is_link_local:
-        return "a link-local address"
-    if ip.is_unspecified:
-        return "the unspecified address"
-    if ip.is_multicast:
-        return "a multicast address"
-    if ip.version == 6 and ip in _UNIQUE_LOCAL:
-        return "a unique-local address"
-    if ip.version == 6 and (ip in _SITE_LOCAL or ip in _LOCAL_NAT64):
-        return "a private address"
-    if ip.version == 6 and ip in _IPV4_COMPATIBLE:
-        return "a reserved address"
-    if ip.is_reserved:
-        return "a reserved address"
-    if ip.is_private or (ip.version == 4 and ip in _SHARED_ADDRESS_SPACE):
-        return "a private address"
-    if not ip.is_global:
-        return "a reserved address"
-    return None
-
-
-def _remaining(deadline):
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the time allowed ran out")
-    return left
-
-
-def _http_target(url):
-    """(scheme, host, port, request target, Host header) of an http(s) URL,
-    or ValueError with a sentence the person who typed it can act on."""
-    if not isinstance(url, str) or not url:
-        raise ValueError("The URL must be text such as https://example.com/hook.")
-    if len(url) > 2048:
-        raise ValueError("The URL is longer than 2048 characters.")
-    if re.search(r"[\x00-\x20\x7f]", url):
-        raise ValueError("The URL must not contain spaces or control characters.")
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:   # an unclosed [ of an IPv6 address
-        raise ValueError("The URL's host or port is not valid.") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError("The URL must start with http:// or https://.")
-    if "@" in parts.netloc:
-        raise ValueError("The URL must not contain a user name or password.")
-    try:
-        port = parts.port
-        host = (parts.hostname or "").rstrip(".")
-        host = host.encode("idna").decode("ascii") if host else ""
-    except (ValueError, UnicodeError):
-        raise ValueError("The URL's host or port is not valid.") from None
-    if not host:
-        raise ValueError("The URL must name a host, as in https://example.com/hook.")
-    if "%" in host:   # [fe80::1%25eth0] (RFC 6874), and no DNS name has one
-        raise ValueError("The URL's host must not contain '%': an IPv6 zone such as %25eth0 "
-                         "names a network interface of the sender, not the receiver.")
-    scheme = parts.scheme.lower()
-    default = 443 if scheme == "https" else 80
-    if port == 0:
-        raise ValueError("The URL's port must be between 1 and 65535.")
-    port = port or default
-    # Non-ASCII in the path or query is sent percent-encoded, as browsers do.
-    target = urllib.parse.quote(parts.path or "/", safe="/%!$&'()*+,;=:@-._~")
-    if parts.query:
-        target += "?" + urllib.parse.quote(parts.query, safe="/%!$&'()*+,;=:@-._~?")
-    shown = f"[{host}]" if ":" in host else host
-    return scheme, host, port, target, shown if port == default else f"{shown}:{port}"
-
-
-def _resolve(host, port, deadline):
-    """getaddrinfo() within the deadline (it has no timeout of its own)."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:   # no DNS: an address that cannot be used is the URL's fault
-        try:
-            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as error:
-            raise ValueError(f"The URL's address {host} cannot be used ({error}).") from None
-    answer = {}
-
-    def look_up():
-        try:
-            answer["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as error:
-            answer["error"] = error
-
-    thread = threading.Thread(target=look_up, name="campaignapi-dns", daemon=True)
-    thread.start()
-    thread.join(_remaining(deadline))
-    if thread.is_alive():
-        raise TimeoutError(f"the host {host} did not resolve in time")
-    if "error" in answer:
-        raise UnresolvedHost(f"The URL's host {host} cannot be resolved ({answer['error']}).")
-    return answer["infos"]
-
-
-def _checked_addresses(host, port, allow_private, deadline):
-    """The (family, sockaddr) pairs ``host`` resolves to, all of them allowed,
-    else ValueError naming the first refused address."""
-    seen, addresses = set(), []
-    for family, _type, _proto, _name, sockaddr in _resolve(host, port, deadline):
-        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-        problem = _address_problem(ip, allow_private)
-        if problem:
-            hint = ("" if allow_private or "metadata" in problem else
-                    " (the setting webhook_allow_private allows loopback and private ones)")
-            where = f"address {ip} is" if host == str(ip) else f"host {host} resolves to {ip},"
-            raise ValueError(f"The URL's {where} {problem}; webhooks call only public"
-                             f" addresses{hint}.")
-        if sockaddr not in seen:
-            seen.add(sockaddr)
-            addresses.append((family, sockaddr))
-    if not addresses:
-        raise ValueError(f"The URL's host {host} has no address.")
-    return addresses
-
-
-class UnresolvedHost(ValueError):
-    """A webhook URL whose host does not resolve (now: DNS may change)."""
-
-
-def check_webhook_url(url, allow_private=False, timeout=10.0):
-    """Check a webhook URL before storing it: http or https, a host, no user
-    name or password, and every address the host resolves to public.
-
-    :param url: the URL as given.
-    :param allow_private: the setting ``webhook_allow_private``: loopback and
-        private addresses allowed (cloud metadata addresses never are).
-    :param timeout: seconds the DNS lookup may take.
-    :returns: the addresses the host resolves to, as text.
-    :raises ValueError: with a sentence saying what to change.
-    """
-    _scheme, host, port, _target, _host_header = _http_target(url)
-    try:
-        addresses = _checked_addresses(host, port, allow_private, time.monotonic() + timeout)
-    except TimeoutError:
-        raise UnresolvedHost(f"The URL's host {host} did not resolve within {timeout:g} "
-                             "seconds.") from None
-    return [sockaddr[0] for _family, sockaddr in addresses]
-
-
-# A small HTTP/1.1 client ------------------------------------------------------
-# Written on sockets rather than http.client because the checked address must
-# be the one connected to (http.client looks the name up again), and because
-# every read must share one deadline (a socket timeout restarts on each byte a
-# slow receiver drips).
-
-def _connect(addresses, deadline):
-    error = None
-    for family, sockaddr in addresses:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(_remaining(deadline))
-            sock.connect(sockaddr)
-            return sock
-        except OSError as failure:
-            sock.close()
-            error = failure
-            if isinstance(failure, TimeoutError):
-                break
-    raise error
-
-
-def _send_all(sock, data, deadline):
-    view = memoryview(data)
-    while view:
-        sock.settimeout(_remaining(deadline))
-        sent = sock.send(view[:65536])
-        view = view[sent:]
-
-
-def _recv(sock, deadline, size):
-    sock.settimeout(_remaining(deadline))
-    return sock.recv(min(size, 65536))
-
-
-def _read_head(sock, deadline, limit):
-    """(status, headers, bytes after the head) of the final answer; interim
-    1xx answers are skipped."""
-    data = b""
-    while True:
-        end = data.find(b"\r\n\r\n")
-        if end < 0:
-            if len(data) >= limit:
-                raise ValueError(f"the answer's headers are longer than {limit} bytes")
-            chunk = _recv(sock, deadline, limit - len(data))
-            if not chunk:
-                raise ConnectionError("the receiver closed the connection without an answer")
-            data += chunk
-            continue
-        lines = data[:end].decode("latin-1").split("\r\n")
-        match = re.fullmatch(r"HTTP/1\.[01] ([1-5][0-9][0-9])(?: .*)?", lines[0])
-        if not match:
-            raise ValueError("the receiver did not answer in HTTP/1.x")
-        status, data = int(match.group(1)), data[end + 4:]
-        if 100 <= status < 200 and status != 101:
-            continue
-        headers = {}
-        for line in lines[1:]:
-            name, _colon, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers, data
-
-
-def _dechunk(data):
-    """(body, complete) of a chunked transfer coding read so far."""
-    body, position = b"", 0
-    while True:
-        end = data.find(b"\r\n", position)
-        if end < 0:
-            return body, False
-        try:
-            size = int(data[position:end].split(b";")[0], 16)
-        except ValueError:
-            raise ValueError("the answer's chunked body is malformed") from None
-        if size == 0:
-            return body, True
-        start = end + 2
-        if len(data) < start + size + 2:
-            return body + data[start:start + size], False
-        body += data[start:start + size]
-        position = start + size + 2
-
-
-def _read_http_body(sock, deadline, headers, data, limit):
-    """The body, read up to ``limit`` bytes; ValueError when longer."""
-    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-    length = headers.get("content-length", "")
-    length = int(length) if length.isdigit() and not chunked else None
-    if length is not None and length > limit:
-        raise ValueError(f"the answer is longer than {limit} bytes")
-    while True:
-        if chunked and _dechunk(data)[1] or length is not None and len(data) >= length:
-            break
-        if len(data) > limit:
-            raise ValueError(f"the answer is longer than {limit} bytes")
-        chunk = _recv(sock, deadline, limit + 1 - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return _dechunk(data)[0] if chunked else data[:length]
-
-
-def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_response,
-                   context, read_body):
-    """One request to the checked address of ``url``: (status, body or None)."""
-    deadline = time.monotonic() + timeout
-    scheme, host, port, target, host_header = _http_target(url)
-    sock = _connect(_checked_addresses(host, port, allow_private, deadline), deadline)
-    try:
-        if scheme == "https":
-            sock.settimeout(_remaining(deadline))   # the handshake as a whole
-            sock = (context or ssl.create_default_context()).wrap_socket(
-                sock, server_hostname=host)
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}",
-                 f"User-Agent: campaignapi/{__version__}", "Connection: close",
-                 f"Content-Length: {len(body)}"]
-        for name, value in headers.items():
-            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or \
-                    re.search(r"[\x00-\x1f\x7f]", str(value)):
-                raise ValueError(f"the header {name!r} cannot be sent")
-            lines.append(f"{name}: {value}")
-        _send_all(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body, deadline)
-        status, answer_headers, rest = _read_head(sock, deadline, max_response)
-        if not read_body:
-            return status, None
-        return status, _read_http_body(sock, deadline, answer_headers, rest, max_response)
-    finally:
-        sock.close()
-
-
-def _exchange_failure(error, timeout):
-    if isinstance(error, ssl.SSLCertVerificationError):
-        return f"the TLS certificate was refused: {error.verify_message}"
-    if isinstance(error, TimeoutError):   # socket.timeout too
-        return f"no answer within {timeout:g} seconds"
-    text = str(error) or type(error).__name__
-    return text[0].lower() + text[1:].rstrip(".")
-
-
-def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
-                 max_response=65536, context=None):
-    """POST one signed event to a webhook receiver.
-
-    The host is resolved once, every address checked (check_webhook_url()'s
-    rules), and the checked address itself is connected to, with the URL's
-    host name in the Host header and, for https, in SNI and the certificate
-    check.  Redirects are not followed (a 3xx is a failure), at most
-    ``max_response`` bytes of the answer are read, and the whole exchange,
-    DNS included, ends within ``timeout`` seconds.
-
-    :param url: the webhook's URL.
-    :param headers: extra headers, usually sign_webhook()'s; Content-Type
-        defaults to application/json.
-    :param body: the bytes to post.
-    :param allow_private: the setting ``webhook_allow_private``.
-    :param timeout: seconds the whole exchange may take.
-    :param max_response: bytes of the answer read at most.
-    :param context: the ssl.SSLContext for https (default: the system's CAs).
-    :returns: ``(status, None)`` on a 2xx answer, else ``(status or None,
-        error)`` with a phrase for the webhook's record; it never raises for
-        anything the receiver or the network does.
-    """
-    if not any(name.lower() == "content-type" for name in headers):
-        headers = {"Content-Type": "application/json", **headers}
-    try:
-        status, _ = _http_exchange("POST", url, headers, _as_bytes(body),
-                                   allow_private=allow_private,
-                                   timeout=timeout, max_response=max_response,
-                                   context=context, read_body=False)
-    except (OSError, ValueError) as error:   # refusals, DNS, TLS, timeouts, bad answers
-        return None, _exchange_failure(error, timeout)
-    if 200 <= status < 300:
-        return status, None
-    if 300 <= status < 400:
-        return status, f"the receiver answered {status}, a redirect, which is not followed"
-    return status, f"the receiver answered {status}"
-
-
-def fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
-    """GET an https URL's body, with post_webhook()'s guards (checked address,
-    one deadline, no redirects, bounded size).  The default ``fetch`` of
-    read_sns() for signing certificates and subscription confirmations.
-
-    :param url: an https URL.
-    :param context: the ssl.SSLContext (default: the system's CAs).
-    :param allow_private: allow loopback and private addresses (tests).
-    :param timeout: seconds the whole exchange may take.
-    :param max_bytes: the longest body accepted.
-    :returns: the body, after a 200 answer.
-    :raises OSError or ValueError: on any failure.
-    """
-    if not url.lower().startswith("https://"):
-        raise ValueError("only https URLs are fetched")
-    status, body = _http_exchange("GET", url, {}, b"", allow_private=allow_private,
-                                  timeout=timeout, max_response=max_bytes,
-                                  context=context, read_body=True)
-    if status != 200:
-        raise ValueError(f"{url} answered {status}")
-    return body
-
-
-# Provider callbacks -----------------------------------------------------------
-
-def _crypto():
-    """The parts of ``cryptography`` that SNS and SendGrid verification use."""
-    try:
-        from cryptography import exceptions, x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-    except ImportError:
-        raise RuntimeError("Verifying SES and SendGrid callbacks needs the cryptography"
-                           " package: pip install 'campaignapi[providers]'.") from None
-    return types.SimpleNamespace(InvalidSignature=exceptions.InvalidSignature, x509=x509,
-                                 hashes=hashes, serialization=serialization, ec=ec,
-                                 padding=padding, rsa=rsa)
-
-
-class _NotJson(ValueError):
-    """A provider call whose body (or a part of it) is not JSON."""
-
-
-def _json_body(body, what="The body"):
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError, TypeError):   # also bad UTF-8 and deep nesting
-        raise _NotJson(f"{what} is not JSON.") from None
-
-
-def _text(value, what, required=True):
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or (required and not value.strip()):
-        raise ValueError(f"{what} is missing or not text.")
-    return value.strip()
-
-
-def _event(email, kind, reason, message_id):
-    return {"email": _text(email, "The recipient's address"), "type": kind,
-            "reason": reason if isinstance(reason, str) else "",
-            "message_id": message_id if isinstance(message_id, str) and message_id else None}
-
-
-def _fresh(seconds, max_age, what):
-    """ProviderAuthError unless ``seconds`` (epoch) is within ``max_age`` of now."""
-    if abs(time.time() - seconds) > max_age:
-        raise ProviderAuthError(f"The {what} is more than {max_age // 60} minutes from now:"
-                                " a replay, or a clock that is wrong.")
-
-
-def _is_seconds(text):
-    """Whether ``text`` is a plausible epoch time in whole seconds."""
-    return isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 12
-
-
-def _mapping(value, what):
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} is not a JSON object.")
-    return value
-
-
-# Amazon SES through SNS -------------------------------------------------------
-
-_SNS_SIGNED_FIELDS = {
-    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
-    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
-                                 "TopicArn", "Type"),
-    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
-                                "TopicArn", "Type"),
-}
-_SNS_CERTS = {}     # certificate URL -> public key; AWS rotates by URL
-_SNS_CERTS_LOCK = threading.Lock()
-
-
-def _sns_url(url, pattern, what):
-    try:
-        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme != "https" or "@" in parts.netloc or \
-            not re.fullmatch(pattern, parts.netloc):
-        raise ProviderAuthError(f"The {what} {url!r} is not an https URL of Amazon SNS.")
-    return url
-
-
-def _sns_key(url, fetch):
-    with _SNS_CERTS_LOCK:
-        key = _SNS_CERTS.get(url)
-    if key is not None:
-        return key
-    crypto = _crypto()
-    try:
-        key = crypto.x509.load_pem_x509_certificate(fetch(url)).public_key()
-    except Exception as error:  # noqa: BLE001 -- fetch is the caller's; any failure: unverifiable
-        raise ProviderAuthError(f"The SNS signing certificate could not be read: {error}") from None
-    if not isinstance(key, crypto.rsa.RSAPublicKey):
-        raise ProviderAuthError("The SNS signing certificate has no RSA key.")
-    with _SNS_CERTS_LOCK:
-        if len(_SNS_CERTS) >= 64:
-            _SNS_CERTS.pop(next(iter(_SNS_CERTS)))
-        _SNS_CERTS[url] = key
-    return key
-
-
-def _sns_verify(message, fetch, pattern):
-    signature, version = message.get("Signature"), message.get("SignatureVersion")
-    cert_url = message.get("SigningCertURL")
-    if not (isinstance(signature, str) and signature and cert_url):
-        raise ProviderAuthError("The SNS message is not signed.")
-    if version not in ("1", "2"):
-        raise ProviderAuthError(f"The SNS SignatureVersion {version!r} is not known (1 or 2).")
-    try:
-        signature = base64.b64decode(signature, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProviderAuthError("The SNS signature is not base64.") from None
-    canonical = "".join(f"{name}\n{message[name]}\n" for name in _SNS_SIGNED_FIELDS[message["Type"]]
-                        if message.get(name) is not None)
-    key = _sns_key(_sns_url(cert_url, pattern, "SigningCertURL"), fetch)
-    crypto = _crypto()
-    digest = crypto.hashes.SHA1() if version == "1" else crypto.hashes.SHA256()
-    try:
-        key.verify(signature, canonical.encode("utf-8"), crypto.padding.PKCS1v15(), digest)
-    except crypto.InvalidSignature:
-        raise ProviderAuthError("The SNS signature does not match the message.") from None
-
-
-def _ses_events(notification):
-    """The events of one SES notification (notification or event publishing)."""
-    kind = notification.get("notificationType") or notification.get("eventType")
-    mail = notification.get("mail")
-    message_id = mail.get("messageId") if isinstance(mail, dict) else None
-    events = []
-    if kind == "Bounce":
-        bounce = _mapping(notification.get("bounce"), "The SES bounce")
-        hard = bounce.get("bounceType") == "Permanent"
-        recipients = bounce.get("bouncedRecipients")
-        if not isinstance(recipients, list):
-            raise ValueError("The SES bounce lists no bouncedRecipients.")
-        for recipient in recipients:
-            recipient = _mapping(recipient, "An SES bounced recipient")
-            reason = recipient.get("diagnosticCode") or bounce.get("bounceSubType")
-            events.append(_event(recipient.get("emailAddress"), "hard" if hard else "soft",
-                                 reason, message_id))
-    elif kind == "Complaint":
-        complaint = _mapping(notification.get("complaint"), "The SES complaint")
-        recipients = complaint.get("complainedRecipients")
-        if not isinstance(recipients, list):
-            raise ValueError("The SES complaint lists no complainedRecipients.")
-        for recipient in recipients:
-            recipient = _mapping(recipient, "An SES complained recipient")
-            events.append(_event(recipient.get("emailAddress"), "complaint",
-                                 complaint.get("complaintFeedbackType") or "complaint",
-                                 message_id))
-    return events
-
-
-def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_HOST):
-    """Read an Amazon SNS delivery to ``/v1/bounce/ses``: SES bounce and
-    complaint notifications, and subscription confirmations (confirmed here by
-    fetching their SubscribeURL).
-
-    The signature (SignatureVersion 1, SHA1withRSA, or 2, SHA256withRSA, over
-    the documented canonical string) is always checked, against the
-    certificate at SigningCertURL, which must be https on a host matching
-    ``cert_url_pattern``; certificates are cached by URL.
-
-    :param body: the request body, bytes.
-    :param topic_arns: the SNS topics accepted (setting ``ses_topic_arns``).
-    :param fetch: ``fetch(url) -> bytes`` for certificates and SubscribeURLs.
-    :param cert_url_pattern: a regular expression the URLs' host[:port] must
-        match entirely (default: ``sns.<region>.amazonaws.com``).
-    :returns: a list of ``{"email", "type", "reason", "message_id"}``.
-    :raises ProviderAuthError: unsigned, forged, altered, from another topic, too old.
-    :raises ValueError: not JSON or not shaped like SNS and SES messages, or a
-        confirmation that could not be fetched.
-    """
-    if isinstance(topic_arns, str):   # one ARN, not the letters of one
-        topic_arns = (topic_arns,)
-    message = _mapping(_json_body(body), "The SNS message")
-    kind = message.get("Type")
-    if not isinstance(kind, str) or kind not in _SNS_SIGNED_FIELDS:
-        raise ValueError(f"The SNS message Type {kind!r} is not known.")
-    for name in _SNS_SIGNED_FIELDS[kind]:
-        _text(message.get(name), f"The SNS field {name}", required=name != "Subject")
-    if message["TopicArn"] not in topic_arns:
-        raise ProviderAuthError(f"The SNS topic {message['TopicArn']} is not one accepted here.")
-    _sns_verify(message, fetch, cert_url_pattern)
-    try:
-        sent = datetime.datetime.fromisoformat(message["Timestamp"])
-        seconds = sent.timestamp() if sent.tzinfo else None
-    except ValueError:
-        seconds = None
-    if seconds is None:
-        raise ValueError("The SNS Timestamp is not an ISO 8601 time with its zone.")
-    _fresh(seconds, SNS_MAX_AGE, "SNS message's Timestamp")
-    if kind == "SubscriptionConfirmation":
-        url = _sns_url(message["SubscribeURL"], cert_url_pattern, "SubscribeURL")
-        try:
-            fetch(url)
-        except Exception as error:  # noqa: BLE001 -- fetch is the caller's; 400 makes SNS retry
-            raise ValueError(f"The SNS subscription could not be confirmed: {error}") from None
-        return []
-    if kind == "UnsubscribeConfirmation":
-        return []
-    notification = _json_body(message["Message"], "The SNS Message")
-    return _ses_events(_mapping(notification, "The SES notification"))
-
-
-# Mailgun ---------------------------------------------------------------------
-
-def read_mailgun(body, signing_key):
-    """Read a Mailgun webhook call (JSON) to ``/v1/bounce/mailgun``.
-
-    :param body: the request body, bytes.
-    :param signing_key: the account's HTTP webhook signing key.
-    :returns: a list of events: ``failed`` permanent (hard), temporary (soft),
-        ``complained``; other events give an empty list.
-    :raises ProviderAuthError: signature missing or wrong, or older than
-        PROVIDER_MAX_AGE.
-    :raises ValueError: not JSON or not shaped like a Mailgun webhook.
-    """
-    if not signing_key:
-        raise ProviderAuthError("No Mailgun signing key is configured.")
-    call = _mapping(_json_body(body), "The Mailgun call")
-    signed = call.get("signature")
-    if not isinstance(signed, dict):
-        raise ProviderAuthError("The Mailgun call is not signed.")
-    timestamp, token, signature = (signed.get(name) for name in ("timestamp", "token", "signature"))
-    if isinstance(timestamp, int) and not isinstance(timestamp, bool):
-        timestamp = str(timestamp)
-    if not all(isinstance(v, str) and v for v in (timestamp, token, signature)) or \
-            not _is_seconds(timestamp):
-        raise ProviderAuthError("The Mailgun signature needs a timestamp, token and signature.")
-    expected = hmac.new(signing_key.encode("utf-8"), (timestamp + token).encode("utf-8"),
-                        hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(expected.encode(), signature.lower().encode("utf-8")):
-        raise ProviderAuthError("The Mailgun signature does not match.")
-    _fresh(int(timestamp), PROVIDER_MAX_AGE, "Mailgun signature's timestamp")
-    data = _mapping(call.get("event-data"), "The Mailgun event-data")
-    event, severity = data.get("event"), data.get("severity")
-    message = data.get("message")
-    headers = message.get("headers") if isinstance(message, dict) else None
-    message_id = headers.get("message-id") if isinstance(headers, dict) else None
-    if event == "failed" and severity in ("permanent", "temporary"):
-        status = data.get("delivery-status")
-        status = status if isinstance(status, dict) else {}
-        reason = status.get("description") or status.get("message") or data.get("reason")
-        return [_event(data.get("recipient"), "hard" if severity == "permanent" else "soft",
-                       reason, message_id)]
-    if event == "complained":
-        return [_event(data.get("recipient"), "complaint", "complaint", message_id)]
-    return []
-
-
-# Postmark --------------------------------------------------------------------
-
-# Postmark's bounce Types (its API's BounceType list) that say something about
-# the address; the others (AutoResponder, Subscribe, OpenRelayTest, DMARCPolicy,
-# SpamNotification, ...) are not about the recipient and are ignored.
-_POSTMARK_HARD = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivated"})
-_POSTMARK_SOFT = frozenset({"SoftBounce", "Transient", "DnsError", "Blocked", "Unknown"})
-
-
-def read_postmark(body, authorization_header, credentials):
-    """Read a Postmark bounce or spam complaint webhook to ``/v1/bounce/postmark``.
-
-    :param body: the request body, bytes.
-    :param authorization_header: the request's Authorization header (or None).
-    :param credentials: ``user:password`` configured on both sides (setting
-        ``postmark_credentials``), checked in constant time.
-    :returns: a list of at most one event.
-    :raises ProviderAuthError: no or wrong basic credentials.
-    :raises ValueError: not JSON or not shaped like a Postmark webhook.
-    """
-    if not credentials:
-        raise ProviderAuthError("No Postmark credentials are configured.")
-    scheme, _space, encoded = (authorization_header or "").strip().partition(" ")
-    try:
-        given = base64.b64decode(encoded.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        given = b""
-    if scheme.lower() != "basic" or not given:
-        raise ProviderAuthError("The Postmark call has no basic credentials.")
-    if not hmac.compare_digest(given, credentials.encode("utf-8")):
-        raise ProviderAuthError("The Postmark credentials are wrong.")
-    record = _mapping(_json_body(body), "The Postmark call")
-    record_type, kind = record.get("RecordType"), record.get("Type")
-    kind = kind if isinstance(kind, str) else None
-    reason = record.get("Description") or record.get("Details") or kind
-    if record_type == "SpamComplaint" or (record_type == "Bounce" and kind == "SpamComplaint"):
-        return [_event(record.get("Email"), "complaint", reason, record.get("MessageID"))]
-    if record_type == "Bounce" and kind in _POSTMARK_HARD | _POSTMARK_SOFT:
-        return [_event(record.get("Email"), "hard" if kind in _POSTMARK_HARD else "soft",
-                       reason, record.get("MessageID"))]
-    return []
-
-
-# SendGrid --------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=8)
-def load_sendgrid_public_key(text):
-    """The SendGrid event webhook verification key, as cryptography's key.
-
-    :param text: base64 DER (as SendGrid shows it) or PEM.
-    :raises ValueError: not a P-256 public key (check the setting at start).
-    """
-    crypto = _crypto()
-    try:
-        if "BEGIN PUBLIC KEY" in text:
-            key = crypto.serialization.load_pem_public_key(text.encode("ascii"))
-        else:
-            key = crypto.serialization.load_der_public_key(
-                base64.b64decode("".join(text.split()), validate=True))
-    except (ValueError, TypeError, binascii.Error, UnicodeError):
-        raise ValueError("The SendGrid public key is not base64 DER or PEM.") from None
-    if not isinstance(key, crypto.ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
-        raise ValueError("The SendGrid public key is not an ECDSA P-256 key.")
-    return key
-
-
-def read_sendgrid(body, signature_header, timestamp_header, public_key):
-    """Read a signed SendGrid event webhook call to ``/v1/bounce/sendgrid``.
-
-    :param body: the request body, bytes, exactly as received.
-    :param signature_header: X-Twilio-Email-Event-Webhook-Signature (base64
-        DER ECDSA P-256 / SHA-256 over timestamp + body).
-    :param timestamp_header: X-Twilio-Email-Event-Webhook-Timestamp.
-    :param public_key: the verification key, text (base64 DER or PEM) or the
-        object from load_sendgrid_public_key().
-    :returns: events for ``bounce`` (type bounce: hard, blocked: soft),
-        ``dropped`` (Bounced Address: hard, Spam Reporting Address: complaint)
-        and ``spamreport``; others are ignored.
-    :raises ProviderAuthError: unsigned, forged, or older than PROVIDER_MAX_AGE.
-    :raises ValueError: not JSON or not shaped like SendGrid events.
-    """
-    key = load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
-    if not signature_header or not timestamp_header:
-        raise ProviderAuthError("The SendGrid call is not signed.")
-    if not _is_seconds(timestamp_header):
-        raise ProviderAuthError("The SendGrid timestamp is not a number.")
-    try:
-        signature = base64.b64decode(signature_header.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise ProviderAuthError("The SendGrid signature is not base64.") from None
-    crypto = _crypto()
-    try:
-        key.verify(signature, timestamp_header.encode("ascii") + _as_bytes(body),
-                   crypto.ec.ECDSA(crypto.hashes.SHA256()))
-    except crypto.InvalidSignature:
-        raise ProviderAuthError("The SendGrid signature does not match.") from None
-    _fresh(int(timestamp_header), PROVIDER_MAX_AGE, "SendGrid timestamp")
-    calls = _json_body(body)
-    if not isinstance(calls, list):
-        raise ValueError("The SendGrid call is not a JSON array of events.")
-    found = []
-    for item in calls:
-        item = _mapping(item, "A SendGrid event")
-        event, reason = item.get("event"), item.get("reason")
-        message_id = item.get("smtp-id") or item.get("sg_message_id")
-        if event == "bounce":
-            kind = "soft" if item.get("type") == "blocked" else "hard"
-        elif event == "dropped" and reason == "Bounced Address":
-            kind = "hard"
-        elif event == "spamreport" or (event == "dropped" and reason == "Spam Reporting Address"):
-            kind, reason = "complaint", reason or "spamreport"
-        else:
-            continue
-        found.append(_event(item.get("email"), kind, reason, message_id))
-    return found
-
-
-# ---------------------------------------------------------------------------
 # Webhooks: the record kind, and the worker's delivery of stored events
 # ---------------------------------------------------------------------------
 #
@@ -10507,12 +10511,12 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
     route with its placeholders, parameters, level and answers, and cannot
     drift from what the app does.
 
-    :param routes: the route table; ROUTES when None.
+    :param routes: the route table; ROUTES (Route.table) when None.
     :param base_url: the API's root URL (without ``/v1``) for ``servers``.
     :param allow_private: the app's setting ``webhook_allow_private`` (it
         decides which webhook URLs are taken).
     """
-    routes = ROUTES if routes is None else routes
+    routes = Route.table if routes is None else routes
     paths = {}
     for route in routes:
         path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
@@ -10565,7 +10569,7 @@ def _openapi_get(call):
     service = call.service
     if getattr(service, "openapi", None) is None:   # made once per app
         service.openapi = openapi_document(
-            allow_private=service.config["webhook_allow_private"])
+            service.routes, allow_private=service.config["webhook_allow_private"])
     document = {**service.openapi, "servers": [{"url": call.base_url or "/"}]}
     return bottle.HTTPResponse(json.dumps(document, ensure_ascii=False), 200, {
         "Content-Type": "application/json", "Access-Control-Allow-Origin": "*"})
@@ -10783,6 +10787,8 @@ ROUTES = [
     Route("POST",   "/confirm/{token:name}", None, _confirm_post, reads_body=False, later=True, pages=True,
           summary="Confirm a sign-up (the page's button)", answers=_PAGE_ANSWER),
 ]
+#: What openapi_document() describes when it is given no routes.
+Route.table = ROUTES
 
 
 def _checked_bounce_settings(config):

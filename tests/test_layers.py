@@ -14,7 +14,7 @@ TREE = ast.parse(SOURCE)
 RULE = re.compile(r"^# -{20,}$")
 
 #: (today's ceiling, the goal of issue 25)
-FORWARD_NAMES = (9, 0)
+FORWARD_NAMES = (0, 0)
 ENGINE_TESTS_OUTSIDE = (0, 0)
 OUTBOX_WRITERS = (1, 1)
 
