@@ -1767,7 +1767,7 @@ def _varints(numbers):
     return bytes(out)
 
 
-def _read_varints(data):
+def _parse_varints(data):
     """The numbers of ``data``, or None unless each has its shortest spelling."""
     numbers, number, shift = [], 0, 0
     for byte in data:
@@ -1821,7 +1821,7 @@ def read_token(secret, purpose, token):
     if len(mac) != TOKEN_MAC_BYTES or not hmac.compare_digest(
             mac, _mac(secret, purpose, payload)[:TOKEN_MAC_BYTES]):
         return None
-    return _read_varints(payload)
+    return _parse_varints(payload)
 
 
 # Unsubscribe tokens of the first release: they name the address --------------
@@ -2092,7 +2092,7 @@ def _as_int(value):
     return None
 
 
-def _check_str(name, value, multiline):
+def _param_str(name, value, multiline):
     if not isinstance(value, str):
         raise InvalidParameter(f"'{name}' must be a string.", field=name)
     if "\x00" in value:
@@ -2102,14 +2102,14 @@ def _check_str(name, value, multiline):
     return value
 
 
-def _check_int(name, value):
+def _param_int(name, value):
     number = _as_int(value)
     if number is None:
         raise InvalidParameter(f"'{name}' must be a whole number from 0 to {MAX_ID}.", field=name)
     return number
 
 
-def _check_limit(name, value):
+def _param_limit(name, value):
     number = _as_int(value)
     if number is None or not 1 <= number <= PAGE_MAX:
         raise InvalidParameter(f"'{name}' must be a whole number from 1 to {PAGE_MAX}.",
@@ -2117,7 +2117,7 @@ def _check_limit(name, value):
     return number
 
 
-def _check_flag(name, value):
+def _param_flag(name, value):
     if value in ("1", 1, "true") or value is True:
         return 1
     if value in ("0", 0, "false") or value is False:
@@ -2125,8 +2125,8 @@ def _check_flag(name, value):
     raise InvalidParameter(f"'{name}' must be '0' or '1'.", field=name, allowed=["0", "1"])
 
 
-def _check_email(name, value):
-    value = _check_str(name, value, False)
+def _param_email(name, value):
+    value = _param_str(name, value, False)
     if value.strip() == "":
         return ""
     address = _normalize_email(value)
@@ -2135,34 +2135,34 @@ def _check_email(name, value):
     return address
 
 
-def _check_list(name, value):
+def _param_list(name, value):
     if not isinstance(value, list):
         raise InvalidParameter(f"'{name}' must be a JSON array.", field=name)
     return value
 
 
-def _check_scalar(name, value):
+def _param_scalar(name, value):
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidParameter(f"'{name}' must be a string or a number.", field=name)
     if isinstance(value, str):
-        _check_str(name, value, False)
+        _param_str(name, value, False)
     return value
 
 
-def _check_ref(name, value):
+def _param_ref(name, value):
     # A reference that may be unset: an id, or '' / null / 0 for none.
     if value is None or (value.__class__ is not bool and value in ("", 0, "0")):
         return None
-    return _check_int(name, value)
+    return _param_int(name, value)
 
 
-def _check_object(name, value):
+def _param_object(name, value):
     if not isinstance(value, dict):
         raise InvalidParameter(f"'{name}' must be a JSON object.", field=name)
     return value
 
 
-def _check_data(name, value):
+def _param_data(name, value):
     # An upload: text (csv, base64) or, for json uploads, an array of objects
     # (or that array as a JSON string); the importer reads it further and
     # answers 422 for data it cannot read.
@@ -2171,7 +2171,7 @@ def _check_data(name, value):
     return value
 
 
-def _check_time(name, value):
+def _param_time(name, value):
     # Unix seconds (a number or digits) or a date-time: parse_timestamp()
     # reads it in the handler, which knows the time now.
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -2182,18 +2182,18 @@ def _check_time(name, value):
 
 #: Parameter types of the route table: name -> checker(name, value) -> value.
 PARAM_TYPES = {
-    "str": lambda name, value: _check_str(name, value, False),
-    "text": lambda name, value: _check_str(name, value, True),
-    "int": _check_int,
-    "limit": _check_limit,
-    "flag": _check_flag,
-    "email": _check_email,
-    "list": _check_list,
-    "object": _check_object,
-    "ref": _check_ref,
-    "scalar": _check_scalar,
-    "data": _check_data,
-    "time": _check_time,
+    "str": lambda name, value: _param_str(name, value, False),
+    "text": lambda name, value: _param_str(name, value, True),
+    "int": _param_int,
+    "limit": _param_limit,
+    "flag": _param_flag,
+    "email": _param_email,
+    "list": _param_list,
+    "object": _param_object,
+    "ref": _param_ref,
+    "scalar": _param_scalar,
+    "data": _param_data,
+    "time": _param_time,
 }
 
 
@@ -2597,7 +2597,7 @@ def _b64_pieces(data):
     return b"".join(out)
 
 
-def _read_params(route, environ, limit):
+def _parse_params(route, environ, limit):
     """Parameters from the query string and the JSON body (body keys win)."""
     given = {}
     if not route.reads_body and not route.params:
@@ -2718,7 +2718,7 @@ def _request_header(name):
     return bottle.request.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
 
 
-def _check_path(environ):
+def _param_path(environ):
     """Refuse a path that is not UTF-8: bottle decodes it dropping the bad
     bytes, so '/campaign/%FF1' would otherwise reach campaign 1."""
     raw = environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))  # PEP 3333: latin-1
@@ -2813,7 +2813,7 @@ class Service:
         response_id, started = _new_response_id(), time.perf_counter()
         request = bottle.request
         try:
-            _check_path(request.environ)
+            _param_path(request.environ)
             conn = self.conn()
             account = None
             if route.level:
@@ -2821,7 +2821,7 @@ class Service:
                 require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
-            params = _read_params(route, request.environ, self.config["max_body"])
+            params = _parse_params(route, request.environ, self.config["max_body"])
             call = Call(conn, account, params, self, response_id)
             if route.later:
                 outcome = route.run(call, ids)
@@ -3250,7 +3250,7 @@ def _template_file(templates_dir, name, suffix):
     return path
 
 
-def _read_template_file(templates_dir, name):
+def _fetch_template_file(templates_dir, name):
     """``(html, text)`` of template file NAME.html (and NAME.txt, if there),
     read from disk every time: an edited file counts at once."""
     try:
@@ -3298,7 +3298,7 @@ def campaign_template(conn, account, defaulttemplate, templates_dir):
                                    "defaulttemplate at another template, or clear it with ''.")
         where, bodies = f"template {value}", (row["html"], row["text"])
     else:
-        where, bodies = f"the template file '{value}'", _read_template_file(templates_dir, value)
+        where, bodies = f"the template file '{value}'", _fetch_template_file(templates_dir, value)
     if not any(body.strip() for body in bodies):
         raise TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
                                "{{content}}.", "template_content")
@@ -3309,7 +3309,7 @@ def campaign_template(conn, account, defaulttemplate, templates_dir):
     return bodies
 
 
-def _check_defaulttemplate(call, value):
+def _param_defaulttemplate(call, value):
     """A campaign's ``defaulttemplate`` as stored: '', the id of a live
     template of the caller's, or a file name that stays inside the templates
     folder (the file itself may come later: verify says when it is missing)."""
@@ -6035,7 +6035,7 @@ def _campaign_values(call, row):
                                "'scheduled' only takes '0', to cancel.", field="scheduled")
     values = _columns(call, CAMPAIGN.column_names)
     if "defaulttemplate" in values:
-        values["defaulttemplate"] = _check_defaulttemplate(call, values["defaulttemplate"])
+        values["defaulttemplate"] = _param_defaulttemplate(call, values["defaulttemplate"])
     for name in ("archiveemail", "thumbnail"):
         if values.get(name) == "":
             values[name] = None
@@ -6303,21 +6303,21 @@ def _verify_check(name):
 
 
 @_verify_check("campaign_enabled")
-def _check_enabled(c):
+def _verify_enabled(c):
     return [] if c.row["enabled"] else [
         f"Campaign {c.id} is disabled: enable it with POST /v1/campaign/{c.id} and enabled '1'."
     ], f"Campaign {c.id} is enabled."
 
 
 @_verify_check("campaign_not_deleted")
-def _check_not_deleted(c):
+def _verify_not_deleted(c):
     return [] if not c.row["deleted"] else [
         f"Campaign {c.id} is deleted and cannot be sent any more: create a new campaign."
     ], f"Campaign {c.id} is not deleted."
 
 
 @_verify_check("sender_profile")
-def _check_profile(c):
+def _verify_profile(c):
     pid = c.profile_id
     other = f"point the campaign at another one with POST /v1/campaign/{c.id} and accountprofile"
     if c.profile is not None:
@@ -6331,7 +6331,7 @@ def _check_profile(c):
 
 
 @_verify_check("sender_address")
-def _check_profile_address(c):
+def _verify_profile_address(c):
     pid = c.profile_id
     return [] if c.profile_address else [
         f"Sender profile {pid} has no valid from address: set fromaddress with "
@@ -6341,7 +6341,7 @@ def _check_profile_address(c):
 
 
 @_verify_check("campaign_messages")
-def _check_links(c):
+def _verify_links(c):
     return [] if c.links else [
         f"Campaign {c.id} has no messages: link a message to a segment with "
         f"PUT /v1/campaign/{c.id}/message/0 (segment, message)."
@@ -6349,7 +6349,7 @@ def _check_links(c):
 
 
 @_verify_check("links_in_use")
-def _check_links_in_use(c):
+def _verify_links_in_use(c):
     return [
         f"{_label(kind, row).capitalize()} is deleted: remove campaign message {link['id']} "
         f"(DELETE /v1/campaign/{c.id}/message/{link['id']}) or link another {kind} instead."
@@ -6360,14 +6360,14 @@ def _check_links_in_use(c):
 
 
 @_verify_check("message_subject")
-def _check_subjects(c):
+def _verify_subjects(c):
     return [f"{_label('message', m).capitalize()} has no subject: set subject with "
             f"POST /v1/message/{m['id']}." for m in c.messages.values() if not m["subject"].strip()
             ], "Every message has a subject."
 
 
 @_verify_check("message_from")
-def _check_from(c):
+def _verify_from(c):
     return [
         f"{_label('message', m).capitalize()} has no valid from address: set fromaddress on "
         f"the message (POST /v1/message/{m['id']}) or on sender profile {c.profile_id}."
@@ -6377,14 +6377,14 @@ def _check_from(c):
 
 
 @_verify_check("message_body")
-def _check_bodies(c):
+def _verify_bodies(c):
     return [f"{_label('message', m).capitalize()} has no body: set html and/or text with "
             f"POST /v1/message/{m['id']}." for m in c.messages.values()
             if not (m["html"].strip() or m["text"].strip())], "Every message has a body."
 
 
 @_verify_check("template_found")
-def _check_template_found(c):
+def _verify_template_found(c):
     problem = c.template_problem
     return [str(problem)] if problem and problem.check == "template_found" else [], (
         f"The template '{c.row['defaulttemplate']}' is there." if c.row["defaulttemplate"]
@@ -6392,7 +6392,7 @@ def _check_template_found(c):
 
 
 @_verify_check("template_content")
-def _check_template_content(c):
+def _verify_template_content(c):
     problem = c.template_problem
     if not c.row["defaulttemplate"]:
         passed = "The campaign has no template (defaulttemplate '')."
@@ -6404,7 +6404,7 @@ def _check_template_content(c):
 
 
 @_verify_check("unsubscribe_link")
-def _check_unsubscribe_links(c):
+def _verify_unsubscribe_links(c):
     # In the message or in its template: the link usually lives in the footer.
     return [
         f"The {part} body of {_label('message', m)} has no {{{{unsubscribe_url}}}} merge tag "
@@ -6418,7 +6418,7 @@ def _check_unsubscribe_links(c):
 
 
 @_verify_check("merge_tags")
-def _check_merge_tags(c):
+def _verify_merge_tags(c):
     """Merge tags that a message uses and the datasources of a segment it is
     sent to lack as fields."""
     problems = []
@@ -6441,7 +6441,7 @@ def _check_merge_tags(c):
 
 
 @_verify_check("segment_recipients")
-def _check_segment_sizes(c):
+def _verify_segment_sizes(c):
     sizes = {s["id"]: segment_size(c.conn, s) for s in c.segments.values()}
     return [f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
             "into its datasources or loosen its conditions." for s in c.segments.values()
@@ -6450,7 +6450,7 @@ def _check_segment_sizes(c):
 
 
 @_verify_check("segment_definition")
-def _check_segment_definitions(c):
+def _verify_segment_definitions(c):
     problems = []
     for segment in c.segments.values():
         label = _label("segment", segment).capitalize()
@@ -6476,7 +6476,7 @@ def _check_segment_definitions(c):
 
 
 @_verify_check("non_ascii_addresses")
-def _check_non_ascii(c):
+def _verify_non_ascii(c):
     """A warning, never a failure: whether such an address can be sent
     depends on the relay (SMTPUTF8), which is known only when sending."""
     notes = []
@@ -6495,7 +6495,7 @@ def _check_non_ascii(c):
 
 
 @_verify_check("archive_email")
-def _check_archive_email(c):
+def _verify_archive_email(c):
     archive = c.row["archiveemail"]
     return [] if not archive or _normalize_email(archive) else [
         f"The archive address '{archive}' of campaign {c.id} is not a valid email address: "
@@ -6504,7 +6504,7 @@ def _check_archive_email(c):
 
 
 @_verify_check("reply_to")
-def _check_reply_to(c):
+def _verify_reply_to(c):
     return [f"The replyto '{row['replyto']}' of {_label(kind, row)} is not a valid email "
             f"address: correct it with POST {path}." for kind, row, path in c.senders()
             if row["replyto"] and not _normalize_email(row["replyto"])
@@ -6512,7 +6512,7 @@ def _check_reply_to(c):
 
 
 @_verify_check("header_line_breaks")
-def _check_header_line_breaks(c):
+def _verify_header_line_breaks(c):
     return [f"The {column} of {_label(kind, row)} holds a line break, which would break the "
             f"email's headers: set it again on one line with POST {path}."
             for kind, row, path in c.senders() for column in _HEADER_COLUMNS
@@ -8191,7 +8191,7 @@ def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
 def fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
     """GET an https URL's body, with post_webhook()'s guards (checked address,
     one deadline, no redirects, bounded size).  The default ``fetch`` of
-    read_sns() for signing certificates and subscription confirmations.
+    _parse_sns_callback() for signing certificates and subscription confirmations.
 
     :param url: an https URL.
     :param context: the ssl.SSLContext (default: the system's CAs).
@@ -8385,7 +8385,7 @@ def _ses_events(notification):
     return events
 
 
-def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_HOST):
+def _parse_sns_callback(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_HOST):
     """Read an Amazon SNS delivery to ``/v1/bounce/ses``: SES bounce and
     complaint notifications, and subscription confirmations (confirmed here by
     fetching their SubscribeURL).
@@ -8439,7 +8439,7 @@ def read_sns(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_H
 
 # Mailgun ---------------------------------------------------------------------
 
-def read_mailgun(body, signing_key):
+def _parse_mailgun_callback(body, signing_key):
     """Read a Mailgun webhook call (JSON) to ``/v1/bounce/mailgun``.
 
     :param body: the request body, bytes.
@@ -8492,7 +8492,7 @@ _POSTMARK_HARD = frozenset({"HardBounce", "BadEmailAddress", "ManuallyDeactivate
 _POSTMARK_SOFT = frozenset({"SoftBounce", "Transient", "DnsError", "Blocked", "Unknown"})
 
 
-def read_postmark(body, authorization_header, credentials):
+def _parse_postmark_callback(body, authorization_header, credentials):
     """Read a Postmark bounce or spam complaint webhook to ``/v1/bounce/postmark``.
 
     :param body: the request body, bytes.
@@ -8529,7 +8529,7 @@ def read_postmark(body, authorization_header, credentials):
 # SendGrid --------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=8)
-def load_sendgrid_public_key(text):
+def _load_sendgrid_public_key(text):
     """The SendGrid event webhook verification key, as cryptography's key.
 
     :param text: base64 DER (as SendGrid shows it) or PEM.
@@ -8549,7 +8549,7 @@ def load_sendgrid_public_key(text):
     return key
 
 
-def read_sendgrid(body, signature_header, timestamp_header, public_key):
+def _parse_sendgrid_callback(body, signature_header, timestamp_header, public_key):
     """Read a signed SendGrid event webhook call to ``/v1/bounce/sendgrid``.
 
     :param body: the request body, bytes, exactly as received.
@@ -8557,14 +8557,14 @@ def read_sendgrid(body, signature_header, timestamp_header, public_key):
         DER ECDSA P-256 / SHA-256 over timestamp + body).
     :param timestamp_header: X-Twilio-Email-Event-Webhook-Timestamp.
     :param public_key: the verification key, text (base64 DER or PEM) or the
-        object from load_sendgrid_public_key().
+        object from _load_sendgrid_public_key().
     :returns: events for ``bounce`` (type bounce: hard, blocked: soft),
         ``dropped`` (Bounced Address: hard, Spam Reporting Address: complaint)
         and ``spamreport``; others are ignored.
     :raises ProviderAuthError: unsigned, forged, or older than PROVIDER_MAX_AGE.
     :raises ValueError: not JSON or not shaped like SendGrid events.
     """
-    key = load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
+    key = _load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
     if not signature_header or not timestamp_header:
         raise ProviderAuthError("The SendGrid call is not signed.")
     if not _is_seconds(timestamp_header):
@@ -9126,7 +9126,7 @@ def _bounce_post(call):
             raise MissingParameter("The body is empty: send the whole bounce or feedback email.")
         report = classify_bounce(raw, secret)
     else:
-        params = _read_params(_BOUNCE_JSON, environ, call.service.config["max_body"])
+        params = _parse_params(_BOUNCE_JSON, environ, call.service.config["max_body"])
         if not params["email"]:
             raise InvalidParameter("'email' is the address that bounced or complained.",
                                    field="email")
@@ -9162,23 +9162,23 @@ def _provider_callback(call, setting, read):
 
 def _bounce_ses(call):
     service = call.service
-    return _provider_callback(call, "ses_topic_arns", lambda body: read_sns(
+    return _provider_callback(call, "ses_topic_arns", lambda body: _parse_sns_callback(
         body, topic_arns=service.config["ses_topic_arns"], fetch=service.sns_fetch,
         cert_url_pattern=service.sns_cert_host))
 
 
 def _bounce_mailgun(call):
-    return _provider_callback(call, "mailgun_signing_key", lambda body: read_mailgun(
+    return _provider_callback(call, "mailgun_signing_key", lambda body: _parse_mailgun_callback(
         body, call.service.config["mailgun_signing_key"]))
 
 
 def _bounce_postmark(call):
-    return _provider_callback(call, "postmark_credentials", lambda body: read_postmark(
+    return _provider_callback(call, "postmark_credentials", lambda body: _parse_postmark_callback(
         body, _request_header("Authorization"), call.service.config["postmark_credentials"]))
 
 
 def _bounce_sendgrid(call):
-    return _provider_callback(call, "sendgrid_public_key", lambda body: read_sendgrid(
+    return _provider_callback(call, "sendgrid_public_key", lambda body: _parse_sendgrid_callback(
         body, _request_header("X-Twilio-Email-Event-Webhook-Signature"),
         _request_header("X-Twilio-Email-Event-Webhook-Timestamp"),
         call.service.config["sendgrid_public_key"]))
@@ -10094,7 +10094,7 @@ def _deliver_outbox(worker):
     return counts["sent"] + counts["failed"] + counts["retried"] > 0
 
 
-def _read_bounces(worker):
+def _fetch_bounces(worker):
     try:
         process_bounce_mailbox(worker.db, **worker.bounce_mailbox)
     except MailboxError as error:   # a line, not a traceback, each minute it lasts
@@ -10125,7 +10125,7 @@ WORKER_STEPS = (
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
     _Step("webhooks", _deliver_events),
     _Step("delivery", _deliver_outbox, needs="smtp"),
-    _Step("bounces", _read_bounces, needs="bounce_mailbox", every=MAILBOX_INTERVAL),
+    _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=MAILBOX_INTERVAL),
 )
 
 
@@ -10298,7 +10298,7 @@ def _param_doc(route, name):
 
 _INTEGER = {"type": "integer", "minimum": 0, "maximum": MAX_ID}
 _FLAG_WORDS = ["0", "1", "true", "false"]
-# An address as the server takes it (_check_email): surrounding blanks are
+# An address as the server takes it (_param_email): surrounding blanks are
 # trimmed, and blank means none.
 _EMAIL_PATTERN = (r"^[^\S\r\n]*(?:(?=[^@]{1,64}@)(?=[^\s]{1,254}[^\S\r\n]*$)"
                   + _EMAIL_ATOM + r"(?:\." + _EMAIL_ATOM + r")*@"
@@ -10802,7 +10802,7 @@ def _checked_bounce_settings(config):
     if credentials and ":" not in credentials:
         raise ValueError("postmark_credentials must be USER:PASSWORD")
     if config["sendgrid_public_key"]:
-        load_sendgrid_public_key(config["sendgrid_public_key"])
+        _load_sendgrid_public_key(config["sendgrid_public_key"])
     arns = config["ses_topic_arns"]
     arns = (arns,) if isinstance(arns, str) else tuple(arns or ())
     for arn in arns:
@@ -11030,14 +11030,14 @@ def _read_schema_version(path):
     return version
 
 
-def _check_database(path, *, must_exist):
+def _cli_check_database(path, *, must_exist):
     """Refuse ``--db`` before anything is created or changed: a directory, a
     missing or unwritable directory, a file that is not a campaignapi database or
     that a newer version made; with ``must_exist``, a path without a database
     (a typo must not start a worker on a new, empty file).  A ``postgresql://``
     URL is checked by connecting: the server must answer, the database exist."""
     if str(path).startswith(_PG_URL):
-        return _check_pg_database(path, must_exist)
+        return _cli_check_pg_database(path, must_exist)
     where = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise _Refused(f"--db {path} is a directory, not a database file")
@@ -11061,8 +11061,8 @@ def _check_database(path, *, must_exist):
                        f"({error.strerror or error})") from None
 
 
-def _check_pg_database(url, must_exist):
-    """The checks of _check_database() for a PostgreSQL database, read-only."""
+def _cli_check_pg_database(url, must_exist):
+    """The checks of _cli_check_database() for a PostgreSQL database, read-only."""
     shown = re.sub(r"//[^@/]*@", "//", url)   # never print a password
     try:
         conn = connect(url)
@@ -11090,7 +11090,7 @@ def _check_pg_database(url, must_exist):
 
 @contextlib.contextmanager
 def _database_errors(path):
-    """What is left after _check_database() (a race, a full disk) as one line."""
+    """What is left after _cli_check_database() (a race, a full disk) as one line."""
     try:
         yield
     except (sqlite3.Error, OSError, RuntimeError) as error:
@@ -11151,7 +11151,7 @@ def _new_account_key(db, email):
 
 def _cmd_serve(args):
     options = _worker_options(args)
-    _check_database(args.db, must_exist=False)
+    _cli_check_database(args.db, must_exist=False)
     sockets, port = _claim_port(args.host, args.port)
     try:
         options["public_url"] = args.public_url or f"http://{_url_host(args.host)}:{port}"
@@ -11238,7 +11238,7 @@ def _bounce_settings(args):
 
 def _cmd_bounces(args):
     options = _mailbox_options(args)
-    _check_database(args.db, must_exist=True)
+    _cli_check_database(args.db, must_exist=True)
     with _database_errors(args.db):
         init_db(args.db)
         try:
@@ -11251,7 +11251,7 @@ def _cmd_bounces(args):
 
 def _cmd_worker(args):
     options = _worker_options(args)
-    _check_database(args.db, must_exist=True)
+    _cli_check_database(args.db, must_exist=True)
     with _database_errors(args.db):
         init_db(args.db)
     stop = threading.Event()
@@ -11374,7 +11374,7 @@ def _worker_options(args):
 
 
 def _cmd_key(args):
-    _check_database(args.db, must_exist=args.action != "create")
+    _cli_check_database(args.db, must_exist=args.action != "create")
     with _database_errors(args.db):
         if args.action == "create":
             secret = create_key(args.db, args.email, args.levels, args.name, args.expires)

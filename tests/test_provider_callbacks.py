@@ -126,7 +126,7 @@ class Sns:
 
     def read(self, message, **options):
         body = message if isinstance(message, bytes) else json.dumps(message).encode()
-        return campaignapi.read_sns(body, topic_arns=[TOPIC], fetch=self.fetch,
+        return campaignapi._parse_sns_callback(body, topic_arns=[TOPIC], fetch=self.fetch,
                                     cert_url_pattern=self.pattern, **options)
 
 
@@ -239,9 +239,9 @@ def test_sns_forged_altered_replayed_and_unsigned_are_refused(sns):
 def test_sns_topics_given_as_one_string_are_one_topic(sns):
     message = sns.message(SES_BOUNCE, topic="arn")
     with pytest.raises(ProviderAuthError, match="not one accepted"):
-        campaignapi.read_sns(json.dumps(message).encode(), topic_arns=TOPIC, fetch=sns.fetch,
+        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=TOPIC, fetch=sns.fetch,
                              cert_url_pattern=sns.pattern)
-    assert len(campaignapi.read_sns(json.dumps(sns.message(SES_BOUNCE)).encode(),
+    assert len(campaignapi._parse_sns_callback(json.dumps(sns.message(SES_BOUNCE)).encode(),
                                     topic_arns=TOPIC, fetch=sns.fetch,
                                     cert_url_pattern=sns.pattern)) == 2
 
@@ -249,7 +249,7 @@ def test_sns_topics_given_as_one_string_are_one_topic(sns):
 def test_sns_default_pattern_allows_only_amazon_hosts(sns):
     message = sns.message(SES_BOUNCE)
     with pytest.raises(ProviderAuthError, match="not an https URL of Amazon SNS"):
-        campaignapi.read_sns(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=sns.fetch)
+        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=sns.fetch)
     assert not sns.fetched(".pem")
     for good in ("sns.eu-west-1.amazonaws.com", "sns.cn-north-1.amazonaws.com.cn"):
         assert campaignapi._sns_url(f"https://{good}/SimpleNotificationService-a.pem",
@@ -279,7 +279,7 @@ def never_fetch(url):
 @given(body=st.binary(max_size=300))
 def test_sns_any_bytes_give_events_or_a_clean_refusal(body):
     try:
-        assert isinstance(campaignapi.read_sns(body, topic_arns=[TOPIC], fetch=never_fetch), list)
+        assert isinstance(campaignapi._parse_sns_callback(body, topic_arns=[TOPIC], fetch=never_fetch), list)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -292,7 +292,7 @@ def test_sns_any_json_shape_gives_a_clean_refusal(extra):
     message = {"Type": "Notification", "MessageId": "m", "Message": "{}", "TopicArn": TOPIC,
                "Timestamp": now_iso(), **extra}
     with pytest.raises((ProviderAuthError, ValueError)):
-        campaignapi.read_sns(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=never_fetch)
+        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=never_fetch)
 
 
 # Mailgun ---------------------------------------------------------------------------
@@ -320,21 +320,21 @@ MAILGUN_FAILED = {
 }
 
 
-def read_mailgun(call, key=MAILGUN_KEY):
-    return campaignapi.read_mailgun(json.dumps(call).encode(), key)
+def _parse_mailgun_callback(call, key=MAILGUN_KEY):
+    return campaignapi._parse_mailgun_callback(json.dumps(call).encode(), key)
 
 
 def test_mailgun_failures_and_complaints():
-    assert read_mailgun(mailgun(MAILGUN_FAILED)) == [
+    assert _parse_mailgun_callback(mailgun(MAILGUN_FAILED)) == [
         {"email": "alice@example.com", "type": "hard",
          "reason": "Not delivering to previously bounced address",
          "message_id": "20130503192659.13651.20287@example.com"}]
     temporary = dict(MAILGUN_FAILED, severity="temporary")
-    assert [e["type"] for e in read_mailgun(mailgun(temporary))] == ["soft"]
+    assert [e["type"] for e in _parse_mailgun_callback(mailgun(temporary))] == ["soft"]
     complained = {"event": "complained", "recipient": "alice@example.com",
                   "message": MAILGUN_FAILED["message"]}
-    assert [e["type"] for e in read_mailgun(mailgun(complained))] == ["complaint"]
-    assert read_mailgun(mailgun({"event": "delivered", "recipient": "alice@example.com"})) == []
+    assert [e["type"] for e in _parse_mailgun_callback(mailgun(complained))] == ["complaint"]
+    assert _parse_mailgun_callback(mailgun({"event": "delivered", "recipient": "alice@example.com"})) == []
 
 
 def test_mailgun_forged_replayed_and_unsigned_are_refused():
@@ -354,33 +354,33 @@ def test_mailgun_forged_replayed_and_unsigned_are_refused():
     }
     for name, (call, says) in cases.items():
         with pytest.raises(ProviderAuthError, match=says):
-            read_mailgun(call)
+            _parse_mailgun_callback(call)
         assert name
 
 
 def test_mailgun_and_postmark_without_configured_secrets_refuse_everything():
     unkeyed = mailgun(MAILGUN_FAILED, key="")
     with pytest.raises(ProviderAuthError, match="configured"):
-        read_mailgun(unkeyed, key="")
+        _parse_mailgun_callback(unkeyed, key="")
     with pytest.raises(ProviderAuthError, match="configured"):
-        campaignapi.read_postmark(json.dumps(POSTMARK_BOUNCE).encode(), "Basic Og==", "")
+        campaignapi._parse_postmark_callback(json.dumps(POSTMARK_BOUNCE).encode(), "Basic Og==", "")
 
 
 def test_mailgun_malformed_is_a_value_error():
     for body in (b"", b"nope", b"[1]"):
         with pytest.raises(ValueError):
-            campaignapi.read_mailgun(body, MAILGUN_KEY)
+            campaignapi._parse_mailgun_callback(body, MAILGUN_KEY)
     with pytest.raises(ValueError, match="event-data"):
-        read_mailgun(mailgun("not an object"))
+        _parse_mailgun_callback(mailgun("not an object"))
     with pytest.raises(ValueError, match="address"):
-        read_mailgun(mailgun(dict(MAILGUN_FAILED, recipient=None)))
+        _parse_mailgun_callback(mailgun(dict(MAILGUN_FAILED, recipient=None)))
 
 
 @FUZZ
 @given(body=st.binary(max_size=300))
 def test_mailgun_any_bytes(body):
     try:
-        assert isinstance(campaignapi.read_mailgun(body, MAILGUN_KEY), list)
+        assert isinstance(campaignapi._parse_mailgun_callback(body, MAILGUN_KEY), list)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -390,7 +390,7 @@ def test_mailgun_any_bytes(body):
 def test_mailgun_any_json_shape(event_data, signature):
     for call in (mailgun(event_data), {"signature": signature, "event-data": event_data}):
         try:
-            assert isinstance(read_mailgun(call), list)
+            assert isinstance(_parse_mailgun_callback(call), list)
         except (ProviderAuthError, ValueError):
             pass
 
@@ -413,8 +413,8 @@ POSTMARK_BOUNCE = {
 }
 
 
-def read_postmark(record, authorization=AUTH):
-    return campaignapi.read_postmark(json.dumps(record).encode(), authorization, CREDENTIALS)
+def _parse_postmark_callback(record, authorization=AUTH):
+    return campaignapi._parse_postmark_callback(json.dumps(record).encode(), authorization, CREDENTIALS)
 
 
 @pytest.mark.parametrize(("bounce_type", "kind"), [
@@ -423,7 +423,7 @@ def read_postmark(record, authorization=AUTH):
     ("SpamComplaint", "complaint"), ("AutoResponder", None), ("OpenRelayTest", None),
     ("Subscribe", None), ("DMARCPolicy", None)])
 def test_postmark_bounce_types(bounce_type, kind):
-    events = read_postmark(dict(POSTMARK_BOUNCE, Type=bounce_type))
+    events = _parse_postmark_callback(dict(POSTMARK_BOUNCE, Type=bounce_type))
     assert [e["type"] for e in events] == ([kind] if kind else [])
     if kind:
         assert events[0]["email"] == "john@example.com"
@@ -433,8 +433,8 @@ def test_postmark_bounce_types(bounce_type, kind):
 def test_postmark_spam_complaint_and_other_records():
     complaint = dict(POSTMARK_BOUNCE, RecordType="SpamComplaint", Type="SpamComplaint",
                      TypeCode=512)
-    assert read_postmark(complaint)[0]["type"] == "complaint"
-    assert read_postmark({"RecordType": "Delivery", "Recipient": "john@example.com"}) == []
+    assert _parse_postmark_callback(complaint)[0]["type"] == "complaint"
+    assert _parse_postmark_callback({"RecordType": "Delivery", "Recipient": "john@example.com"}) == []
 
 
 @pytest.mark.parametrize("authorization", [
@@ -443,16 +443,16 @@ def test_postmark_spam_complaint_and_other_records():
     "Basic " + base64.b64encode(CREDENTIALS.encode() + b"x").decode()])
 def test_postmark_without_the_credentials_is_refused(authorization):
     with pytest.raises(ProviderAuthError):
-        read_postmark(POSTMARK_BOUNCE, authorization)
+        _parse_postmark_callback(POSTMARK_BOUNCE, authorization)
 
 
 def test_postmark_scheme_is_case_insensitive_and_malformed_is_a_value_error():
-    assert read_postmark(POSTMARK_BOUNCE, "basic " + AUTH.split()[1])[0]["type"] == "hard"
+    assert _parse_postmark_callback(POSTMARK_BOUNCE, "basic " + AUTH.split()[1])[0]["type"] == "hard"
     for body in (b"", b"{", b"[]"):
         with pytest.raises(ValueError):
-            campaignapi.read_postmark(body, AUTH, CREDENTIALS)
+            campaignapi._parse_postmark_callback(body, AUTH, CREDENTIALS)
     with pytest.raises(ValueError, match="address"):
-        read_postmark(dict(POSTMARK_BOUNCE, Email=""))
+        _parse_postmark_callback(dict(POSTMARK_BOUNCE, Email=""))
 
 
 @FUZZ
@@ -460,7 +460,7 @@ def test_postmark_scheme_is_case_insensitive_and_malformed_is_a_value_error():
 def test_postmark_any_bytes_and_shapes(body, record):
     for call in (body, json.dumps(record).encode()):
         try:
-            assert isinstance(campaignapi.read_postmark(call, AUTH, CREDENTIALS), list)
+            assert isinstance(campaignapi._parse_postmark_callback(call, AUTH, CREDENTIALS), list)
         except ValueError:
             pass
 
@@ -501,8 +501,8 @@ def sendgrid(events=SENDGRID_EVENTS, key=SENDGRID_KEY, timestamp=None):
 def test_sendgrid_events_with_the_key_as_base64_der_and_as_pem():
     pem = SENDGRID_KEY.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-    for public in (SENDGRID_PUBLIC, pem, campaignapi.load_sendgrid_public_key(SENDGRID_PUBLIC)):
-        events = campaignapi.read_sendgrid(*sendgrid(), public)
+    for public in (SENDGRID_PUBLIC, pem, campaignapi._load_sendgrid_public_key(SENDGRID_PUBLIC)):
+        events = campaignapi._parse_sendgrid_callback(*sendgrid(), public)
         assert [(e["email"], e["type"]) for e in events] == [
             ("example@test.com", "hard"), ("blocked@test.com", "soft"),
             ("dropped@test.com", "hard"), ("spam@test.com", "complaint")]
@@ -528,16 +528,16 @@ def test_sendgrid_forged_altered_replayed_and_unsigned_are_refused():
     }
     for name, (call, says) in cases.items():
         with pytest.raises(ProviderAuthError, match=says):
-            campaignapi.read_sendgrid(*call, SENDGRID_PUBLIC)
+            campaignapi._parse_sendgrid_callback(*call, SENDGRID_PUBLIC)
         assert name
 
 
 def test_sendgrid_malformed_is_a_value_error():
     for events in ({"event": "bounce"}, [1], [{"event": "bounce", "email": None}]):
         with pytest.raises(ValueError):
-            campaignapi.read_sendgrid(*sendgrid(events), SENDGRID_PUBLIC)
+            campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC)
     with pytest.raises(ValueError, match="not JSON"):
-        campaignapi.read_sendgrid(b"{", *_sign(b"{"), SENDGRID_PUBLIC)
+        campaignapi._parse_sendgrid_callback(b"{", *_sign(b"{"), SENDGRID_PUBLIC)
 
 
 def _sign(body):
@@ -553,7 +553,7 @@ def _sign(body):
     "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"])
 def test_sendgrid_bad_keys_are_refused_when_loaded(key):
     with pytest.raises(ValueError, match="SendGrid public key"):
-        campaignapi.load_sendgrid_public_key(key)
+        campaignapi._load_sendgrid_public_key(key)
 
 
 @FUZZ
@@ -561,7 +561,7 @@ def test_sendgrid_bad_keys_are_refused_when_loaded(key):
        timestamp=st.text(max_size=14))
 def test_sendgrid_any_bytes_and_headers(body, signature, timestamp):
     try:
-        campaignapi.read_sendgrid(body, signature, timestamp, SENDGRID_PUBLIC)
+        campaignapi._parse_sendgrid_callback(body, signature, timestamp, SENDGRID_PUBLIC)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -570,7 +570,7 @@ def test_sendgrid_any_bytes_and_headers(body, signature, timestamp):
 @given(events=JSON)
 def test_sendgrid_any_signed_json_shape(events):
     try:
-        assert isinstance(campaignapi.read_sendgrid(*sendgrid(events), SENDGRID_PUBLIC), list)
+        assert isinstance(campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC), list)
     except ValueError:
         pass
 
@@ -583,9 +583,9 @@ import sys
 sys.modules["cryptography"] = None     # as if it were not installed
 import campaignapi, json
 call = {json.dumps(mailgun(MAILGUN_FAILED))!r}
-print(campaignapi.read_mailgun(call.encode(), {MAILGUN_KEY!r})[0]["type"])
+print(campaignapi._parse_mailgun_callback(call.encode(), {MAILGUN_KEY!r})[0]["type"])
 try:
-    campaignapi.read_sendgrid(b"[]", "c2ln", "1", "a2V5")
+    campaignapi._parse_sendgrid_callback(b"[]", "c2ln", "1", "a2V5")
 except RuntimeError as error:
     print(error)
 """
@@ -633,7 +633,7 @@ def test_sns_signed_notification_of_any_shape(sns, notification):
                          **{"delivery-status": nearly(description=st.text())}))
 def test_mailgun_signed_event_of_any_shape(event_data):
     try:
-        events = read_mailgun(mailgun(event_data))
+        events = _parse_mailgun_callback(mailgun(event_data))
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in events)
@@ -645,7 +645,7 @@ def test_mailgun_signed_event_of_any_shape(event_data):
                      Email=ADDRESS, MessageID=st.text(), Description=st.text()))
 def test_postmark_record_of_any_shape(record):
     try:
-        events = read_postmark(record)
+        events = _parse_postmark_callback(record)
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in events)
@@ -658,7 +658,7 @@ def test_postmark_record_of_any_shape(record):
                               email=ADDRESS), max_size=4))
 def test_sendgrid_signed_events_of_any_shape(events):
     try:
-        found = campaignapi.read_sendgrid(*sendgrid(events), SENDGRID_PUBLIC)
+        found = campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC)
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in found)

@@ -69,7 +69,7 @@ def test_a_token_has_no_second_spelling_of_its_numbers():
     mac = campaignapi.hmac.digest(campaignapi._purpose_key(SECRET, "open"), payload, "sha256")
     forged = campaignapi._b64(payload + mac[:campaignapi.TOKEN_MAC_BYTES])
     assert read_token(SECRET, "open", forged) is None
-    assert campaignapi._read_varints(bytes([0x81])) is None  # unterminated
+    assert campaignapi._parse_varints(bytes([0x81])) is None  # unterminated
 
 
 def test_a_token_holds_no_address_and_no_clear_numbers():
