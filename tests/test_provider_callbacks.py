@@ -69,6 +69,18 @@ SES_COMPLAINT = {
 }
 
 
+#: The fields SNS signs, in this order, by message type (AWS documentation,
+#: "Verifying the signatures of Amazon SNS messages"): written out from there, not taken
+#: from the module, so that a wrong list in the module fails the tests.
+SNS_SIGNED_FIELDS = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                 "TopicArn", "Type"),
+    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                "TopicArn", "Type"),
+}
+
+
 @functools.cache
 def sns_certificates():
     """The signing certificate and the HTTPS server's, made once (RSA keys are slow)."""
@@ -118,7 +130,7 @@ class Sns:
         return message
 
     def sign(self, message, version="1", key=None):
-        fields = campaignapi._SNS_SIGNED_FIELDS[message["Type"]]
+        fields = SNS_SIGNED_FIELDS[message["Type"]]
         canonical = "".join(f"{name}\n{message[name]}\n" for name in fields if name in message)
         digest = hashes.SHA1() if version == "1" else hashes.SHA256()
         signature = (key or self.key).sign(canonical.encode(), padding.PKCS1v15(), digest)
@@ -252,8 +264,13 @@ def test_sns_default_pattern_allows_only_amazon_hosts(sns):
         campaignapi.read_sns(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=sns.fetch)
     assert not sns.fetched(".pem")
     for good in ("sns.eu-west-1.amazonaws.com", "sns.cn-north-1.amazonaws.com.cn"):
-        assert campaignapi._sns_url(f"https://{good}/SimpleNotificationService-a.pem",
-                                    campaignapi.SNS_CERT_HOST, "x")
+        # An Amazon host passes the default pattern: its certificate is read.
+        url = f"https://{good}/SimpleNotificationService-{good}.pem"
+        body = json.dumps(sns.message(SES_BOUNCE, SigningCertURL=url)).encode()
+        asked = []
+        assert campaignapi.read_sns(body, topic_arns=[TOPIC],
+                                    fetch=lambda wanted: asked.append(wanted) or sns.cert)
+        assert asked == [url]
 
 
 def test_sns_malformed_is_a_value_error(sns):
