@@ -9,7 +9,7 @@ import pytest
 import webtest
 
 import campaignapi
-from helpers import send
+from helpers import account_id, later, send
 
 
 @pytest.fixture
@@ -192,11 +192,10 @@ def seed_campaign(db):
              html='<p>Dear {{name}}</p><p><a href="{{unsubscribe_url}}">unsubscribe</a></p>',
              text="Dear {{name}}\nUnsubscribe: {{unsubscribe_url}}", fromname="",
              fromaddress="", replyto="", base_url="https://lists.example.com/email"):
+        account, now = account_id(db, owner), later()
         conn = campaignapi.connect(db)
         try:
             with campaignapi.transaction(conn):
-                account = campaignapi._account_for(conn, owner)
-                now = campaignapi._now()
                 ds = conn.execute("INSERT INTO datasource (owner, name, created) VALUES (?, 'list', ?)",
                                   (account, now)).lastrowid
                 conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, 'email', 'email')",

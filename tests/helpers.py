@@ -4,6 +4,7 @@ polling, direct database access, and records built through the API."""
 
 import base64
 import contextlib
+import datetime
 import html
 import json
 import re
@@ -196,6 +197,36 @@ def scalar(db, sql, *args):
         return conn.execute(sql, args).fetchone()[0]
 
 
+def later(seconds=0):
+    """The time ``seconds`` from now as the API writes times (API.md: UTC,
+    ``YYYY-MM-DD HH:MM:SS``), to compare with stored and returned times."""
+    moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def app_secret(db):
+    """The secret an app of ``db`` signs tokens with when create_app() is
+    given no ``secret=``: the one stored in the database."""
+    return campaignapi.create_app(db).config["campaignapi.service"].secret
+
+
+def b64(data):
+    """``data`` as the tokens spell bytes: URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def unb64(text):
+    """The bytes of b64() text."""
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def account_id(db, email):
+    """The id of the account with this address, made as create_key() makes it
+    if new (the key it issues on the way is not used)."""
+    campaignapi.create_key(db, email)
+    return scalar(db, "SELECT id FROM account WHERE email = ?", email.lower())
+
+
 def snapshot(db, skip=("setting",)):
     """Every row of every table, to compare before and after."""
     conn = campaignapi.connect(db)
@@ -320,6 +351,7 @@ def make_campaign(api, datasources, **params):
 def fill(template, values, as_html=False):
     """Merge tags filled as delivery fills them (campaignapi's _Template),
     ``values`` by name without case."""
+    # internal: the merge-tag parser itself, for its edge cases (test_messages, test_fuzz)
     return campaignapi._Template(template).fill(
         {str(name).lower(): str(value) for name, value in values.items()}, as_html=as_html)
 

@@ -12,6 +12,7 @@ import pytest
 import campaignapi
 from helpers import database
 
+# internal: the decoders' piece size: the cases sit on its boundaries
 PIECE = campaignapi._PIECE
 
 
@@ -33,6 +34,7 @@ def test_base64_pieces_decode_like_b64decode(size):
                 "A" * (step - 2) + "==" + text[:8]]
     for data in variants:
         expected = _outcome(lambda d: base64.b64decode(d, validate=True), data)
+        # internal: the piece-wise decoder against the one-call one
         assert _outcome(campaignapi._b64_pieces, data) == expected, (size, data[:12], data[-12:])
 
 
@@ -44,6 +46,7 @@ def test_base64_pieces_decode_like_b64decode(size):
 def test_body_text_decodes_like_utf8_sig(body):
     def one_call(data):
         return data.decode("utf-8-sig")
+    # internal: the piece-wise decoder against the one-call one
     assert _outcome(campaignapi._body_text, body) == _outcome(one_call, body)
 
 
@@ -69,12 +72,14 @@ def test_an_import_takes_short_turns_at_the_gil_and_gives_them_back(api, monkeyp
     """While an import runs (and only then) the switch interval is short;
     the process's own comes back after a success and after a refusal."""
     ds = api.put("/datasource/0", name="turns", fields=[{"name": "age", "type": "integer"}])["id"]
+    # internal: reads the switch interval while an import runs, from inside it
     seen, finish = [], campaignapi._Importer.finish
 
     def watching(self, *args):
         seen.append(sys.getswitchinterval())
         return finish(self, *args)
 
+    # internal: watching() runs as the import finishes, still inside its short turns
     monkeypatch.setattr(campaignapi._Importer, "finish", watching)
     before = sys.getswitchinterval()
     assert before > campaignapi.IMPORT_SWITCH_INTERVAL
@@ -91,5 +96,6 @@ def test_an_import_takes_short_turns_at_the_gil_and_gives_them_back(api, monkeyp
 @pytest.mark.parametrize("escape", [b"\\ud800", b"\\uDFFF", b"\\u00e9"])
 def test_surrogate_escapes_are_found_across_pieces(offset, escape):
     body = b'{"a": "' + b"x" * offset + escape + b'"}' + b" " * 10
-    one_call = campaignapi._SURROGATE_ESCAPE.search(body) is not None
-    assert campaignapi._has_surrogate_escape(body) == one_call == (escape != b"\\u00e9")
+    # internal: the piece-wise search against the one-call one
+    piecewise, one_call = campaignapi._has_surrogate_escape, campaignapi._SURROGATE_ESCAPE
+    assert piecewise(body) == (one_call.search(body) is not None) == (escape != b"\\u00e9")

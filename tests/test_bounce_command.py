@@ -11,7 +11,7 @@ import pytest
 import campaignapi
 from campaignapi import process_due
 from clihelpers import run_cli, served
-from helpers import database, free_port, http, scalar, wait_for
+from helpers import database, free_port, http, later, scalar, wait_for
 from test_bounce_routes import (BOUNCE_DOMAIN, bounce_of, mark_sent, sent_campaign,  # noqa: F401
                                 status_of)
 from test_bounces import CORPUS
@@ -35,7 +35,7 @@ def test_done_when_a_bounce_a_day_later_suppresses_the_address_before_the_next_c
     batch = int(sent_campaign["batch"])
     with database(db) as conn, campaignapi.transaction(conn):    # the send was yesterday
         conn.execute("UPDATE outbox SET created = ?, sent = ? WHERE batch = ?",
-                     (campaignapi._shift(campaignapi._now(), -86400),) * 2 + (batch,))
+                     (later(-86400),) * 2 + (batch,))
     dovecot.append(crlf(bounce_of(sent_campaign, smtp_sink, "bob@example.org")))
 
     # The worker's mailbox step (no SMTP: only batches and the mailbox run).

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import campaignapi
 from campaignapi import message_id_for, process_due, read_message_id, read_verp, verp_address
-from helpers import (assert_envelope, assert_error, import_csv, make_campaign, make_datasource,
-                     recipients, scalar, send, snapshot, database, http)
+from helpers import (app_secret, assert_envelope, assert_error, import_csv, later, make_campaign,
+                     make_datasource, recipients, scalar, send, snapshot, database, http)
 from test_bounces import CORPUS, EXPECTED, SECRET, dsn
 from test_provider_callbacks import (AUTH, CREDENTIALS, MAILGUN_FAILED, MAILGUN_KEY, POSTMARK_BOUNCE,
                                      SENDGRID_PUBLIC, SES_BOUNCE, TOPIC, Sns, mailgun, sendgrid)
@@ -46,7 +46,7 @@ def events(db, kind=None):
 
 def mark_sent(db, outbox_ids, days_ago=0):
     with database(db) as conn, campaignapi.transaction(conn):
-        moment = campaignapi._shift(campaignapi._now(), -days_ago * 86400)
+        moment = later(-days_ago * 86400)
         for outbox in outbox_ids:
             conn.execute("UPDATE outbox SET status = 'sent', sent = ?, created = ? WHERE id = ?",
                          (moment, moment, outbox))
@@ -68,7 +68,7 @@ def sent_campaign(api, db, smtp_sink):
     with database(db) as conn:
         outbox = {row["to_addr"]: row["id"] for row in conn.execute(
             "SELECT id, to_addr FROM outbox WHERE batch = ?", (int(batch),))}
-        secret = campaignapi._stored_secret(conn)
+    secret = app_secret(db)
     return {**ids, "datasource": ds, "batch": batch, "outbox": outbox, "secret": secret}
 
 
@@ -203,7 +203,7 @@ def soft_dsn(secret, outbox, address="soft@example.net"):
 
 
 def test_the_third_soft_bounce_in_a_row_bounces(mailed, client, auth, db):
-    secret = campaignapi.create_app(db).config["campaignapi.service"].secret
+    secret = app_secret(db)
     first, second, third = mailed(3)
     for outbox in (first, second):
         assert post_raw(client, auth, soft_dsn(secret, outbox))["bounce"]["type"] == "soft"
@@ -218,7 +218,7 @@ def test_the_third_soft_bounce_in_a_row_bounces(mailed, client, auth, db):
 
 
 def test_a_delivery_between_soft_bounces_starts_the_count_again(mailed, client, auth, db):
-    secret = campaignapi.create_app(db).config["campaignapi.service"].secret
+    secret = app_secret(db)
     first, second, delivered, fourth, fifth = mailed(5)
     for outbox in (first, second, fourth, fifth):
         post_raw(client, auth, soft_dsn(secret, outbox))

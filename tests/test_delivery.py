@@ -13,7 +13,7 @@ import time
 import pytest
 
 import campaignapi
-from helpers import database, free_port, in_threads, reference_fill
+from helpers import account_id, database, free_port, in_threads, later, reference_fill
 from smtp_sink import PipeliningSink, SmtpSink
 
 
@@ -29,16 +29,10 @@ def execute(db, sql, args=()):
 
 def notify(db, *emails):
     """Queue notification emails of owner@example.com's account: (to, subject, body) each."""
-    campaignapi.init_db(db)
+    account = account_id(db, "owner@example.com")
     with database(db) as conn, campaignapi.transaction(conn):
-        account = campaignapi._account_for(conn, "owner@example.com")
         for to, subject, body in emails:
             campaignapi.enqueue_email(conn, account, to, subject, body)
-
-
-def later(seconds):
-    moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def test_campaign_email_is_mime_with_list_headers_and_escaped_values(db, smtp_sink, seed_campaign):
@@ -92,7 +86,7 @@ def test_retry_on_451_then_success(db, smtp_sink, seed_campaign):
     assert (counts["sent"], counts["retried"]) == (1, 1)
     busy = rows(db, "SELECT * FROM outbox WHERE to_addr = 'busy@example.org'")[0]
     assert busy["status"] == "queued" and busy["attempts"] == 1
-    assert busy["error"].startswith("451 4.3.0") and busy["next_try"] > campaignapi._now()
+    assert busy["error"].startswith("451 4.3.0") and busy["next_try"] > later()
     assert campaignapi.deliver(db, smtp_sink.address)["sent"] == 0  # not due yet
     counts = campaignapi.deliver(db, smtp_sink.address, now=later(3600))
     assert counts["sent"] == 1
@@ -176,12 +170,11 @@ def test_two_workers_in_parallel_never_send_a_row_twice(db, smtp_sink, seed_camp
 
 def test_the_claim_of_a_dead_worker_is_taken_back(db, smtp_sink, seed_campaign):
     ids = seed_campaign([("stale@example.org", "S"), ("fresh@example.org", "F")])
-    old = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=20)
-           ).strftime("%Y-%m-%d %H:%M:%S")
+    old = later(-20 * 60)
     execute(db, "UPDATE outbox SET status = 'sending', claimed_by = 'dead', claimed_at = ? "
                 "WHERE id = ?", (old, ids["outbox"][0]))
     execute(db, "UPDATE outbox SET status = 'sending', claimed_by = 'alive', claimed_at = ? "
-                "WHERE id = ?", (campaignapi._now(), ids["outbox"][1]))
+                "WHERE id = ?", (later(), ids["outbox"][1]))
     assert campaignapi.deliver(db, smtp_sink.address)["sent"] == 1
     assert [r["status"] for r in rows(db)] == ["sent", "sending"]
     assert list(smtp_sink.parsed()) == ["stale@example.org"]
@@ -379,6 +372,7 @@ def test_run_worker_delivers_only_with_smtp_and_stops_when_told(db, smtp_sink, s
 def test_long_deliveries_log_progress_per_interval(db, smtp_sink, seed_campaign, monkeypatch,
                                                    caplog):
     seed_campaign([(f"user{i}@example.org", f"U{i}") for i in range(30)])
+    # internal: a progress line every chunk, not every 10 s
     monkeypatch.setattr(campaignapi, "PROGRESS_INTERVAL", 0)
     with caplog.at_level("INFO", logger="campaignapi"):
         campaignapi.deliver(db, smtp_sink.address, batch_size=10)
@@ -404,6 +398,7 @@ def test_the_commands_of_an_email_go_in_one_write(pipelining_sink):
     smtp.ehlo()
     send = smtp.send
     smtp.send = lambda data: (writes.append(data), send(data))
+    # internal: one email's SMTP exchange, on a connection whose writes the test sees
     assert campaignapi._transact(smtp, "a@example.com", "b@example.com",
                                  b"Subject: x\r\n\r\nhi\r\n") is None
     assert writes == ["MAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.com>\r\nDATA\r\n",

@@ -8,7 +8,7 @@ import pytest
 import webtest
 
 import campaignapi
-from helpers import database, import_csv, make_datasource, make_signup_list, recipients
+from helpers import database, import_csv, make_datasource, make_signup_list, recipients, scalar
 
 
 @pytest.fixture
@@ -54,8 +54,10 @@ def test_export_record_file_and_notification(api, ds, db, client):
     assert mail[0]["to_addr"] == "owner@example.com" and mail[0]["kind"] == "notification"
     assert mail[0]["subject"] == 'Export of "Customers" is ready'
     assert record["url"] in mail[0]["body"]
-    # The file lives beside the database.
-    folder = campaignapi._export_folder(db)
+    # The file lives beside the database on SQLite (README: ``<db>-exports/``), whole.
+    folder = os.path.dirname(scalar(db, "SELECT path FROM export WHERE id = ?", int(record["id"])))
+    if not db.startswith("postgresql"):
+        assert folder == os.path.abspath(db) + "-exports"
     assert os.listdir(folder) and not any(name.endswith(".part") for name in os.listdir(folder))
 
 
@@ -86,7 +88,7 @@ def test_download_fails_once_expired_or_unknown(api, ds, db, client):
     with database(db) as conn:
         assert conn.execute("SELECT path FROM export WHERE id = ?",
                             (int(record["id"]),)).fetchone()[0] is None
-    assert not os.path.exists(old) and os.listdir(campaignapi._export_folder(db))
+    assert not os.path.exists(old) and os.listdir(os.path.dirname(old))
 
 
 def test_public_url_in_links(db, make_key):

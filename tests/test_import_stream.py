@@ -24,7 +24,9 @@ on_postgresql = pytest.mark.skipif(TEST_ENGINE != "postgresql",
 def small_chunks(monkeypatch):
     """Chunks of 50 rows and segments of 120, so that a few hundred rows
     cross chunks and segments the way a million do."""
+    # internal: a chunk every 50 rows, not 5,000
     monkeypatch.setattr(campaignapi, "CHUNK_ROWS", 50)
+    # internal: a COPY segment every 120 rows, not 50,000
     monkeypatch.setattr(campaignapi._CopyStream, "SEGMENT_ROWS", 120)
 
 
@@ -32,7 +34,9 @@ def small_chunks(monkeypatch):
 def paths(monkeypatch):
     """How many chunks each path wrote: {"stream": n, "stage": n}."""
     counts = {"stream": 0, "stage": 0}
-    write, stage = campaignapi._CopyStream.write, campaignapi._PgImportWrites.stage
+    # internal: which of PostgreSQL's two write paths an import took, counted where it writes
+    stream, staging = campaignapi._CopyStream, campaignapi._PgImportWrites
+    write, stage = stream.write, staging.stage
 
     def counted_write(self, pending):
         counts["stream"] += 1
@@ -42,8 +46,8 @@ def paths(monkeypatch):
         counts["stage"] += 1
         return stage(self, pending)
 
-    monkeypatch.setattr(campaignapi._CopyStream, "write", counted_write)
-    monkeypatch.setattr(campaignapi._PgImportWrites, "stage", counted_stage)
+    monkeypatch.setattr(stream, "write", counted_write)
+    monkeypatch.setattr(staging, "stage", counted_stage)
     return counts
 
 
@@ -161,6 +165,7 @@ def _rows(importer, addresses, start=2):
 def _importing(conn, ds, import_id=None):
     """An importer in a transaction of its own on ``conn``."""
     with campaignapi.transaction(conn):
+        # internal: an importer fed row by row, to place rows at chunk and segment ends
         yield campaignapi._Importer(conn, ds, import_id)
 
 
@@ -374,6 +379,7 @@ def test_a_version_2_database_gets_the_schema_of_a_new_one(pg_db, request):
     campaignapi.init_db(pg_db)
     with database(pg_db) as conn:
         with campaignapi.transaction(conn):
+            # internal: the tables of the id trigger, whose version-2 form this test rebuilds
             tables = sorted(campaignapi._pg_id_tables())
             conn.run_script(V2_POSTGRESQL + "".join(
                 f"DROP TRIGGER {table}_id_past ON {table}; "

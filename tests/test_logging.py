@@ -5,6 +5,7 @@ import logging
 import re
 
 import pytest
+import webtest
 
 import campaignapi
 
@@ -36,13 +37,16 @@ def test_unknown_routes_are_logged_too(client, records):
 
 
 def test_an_internal_error_logs_its_traceback_with_the_response_id(
-        client, auth, records, monkeypatch):
-    def broken(conn, scope, record_id, **options):
+        db, auth, records, monkeypatch):
+    def broken(call, thing):
+        call.conn.execute("SELECT 1")
         raise RuntimeError("disk on fire SELECT secret FROM apikey")
 
-    # Change campaign looks its record up through the kind's find(): make that fail.
-    monkeypatch.setattr(campaignapi.CAMPAIGN, "find", broken)
-    response = client.post_json("/v1/campaign/1", {"name": "x"}, headers=auth, status=500)
+    # A route of the table that fails inside its handler, as no input makes ours fail.
+    route = campaignapi.Route("POST", "/probe/{thing:int}", "write", broken)
+    monkeypatch.setattr(campaignapi, "ROUTES", [*campaignapi.ROUTES, route])
+    client = webtest.TestApp(campaignapi.create_app(db))
+    response = client.post_json("/v1/probe/1", {}, headers=auth, status=500)
     envelope = response.json
     assert envelope["success"] is False and envelope["data"]["error"] == "internal_error"
     assert envelope["responseId"] in envelope["data"]["message"]
@@ -55,7 +59,7 @@ def test_an_internal_error_logs_its_traceback_with_the_response_id(
     assert envelope["responseId"] in errors[0].getMessage()
     assert errors[0].exc_info and "disk on fire" in records.text
     assert "Traceback" in records.text
-    assert f"{envelope['responseId']} POST /v1/campaign/1 500" in records.text
+    assert f"{envelope['responseId']} POST /v1/probe/1 500" in records.text
 
 
 def test_no_secret_reaches_the_log(client, db, records):
@@ -71,8 +75,6 @@ def test_no_secret_reaches_the_log(client, db, records):
 
 
 def test_token_placeholders_are_blanked_in_the_log_line(monkeypatch, db, records):
-    import webtest
-
     def page(call, token):
         return {"token": len(token)}
 

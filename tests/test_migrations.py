@@ -22,6 +22,7 @@ V1_ROWS = [
     ("account", {"id": 1, "email": "Owner@Example.com", "created": T}),
     ("account", {"id": 2, "email": "other@example.org", "created": T}),
     ("apikey", {"id": 1, "account": 1, "name": "ci", "levels": "read,write,create,delete",
+                # internal: a version-1 key row written by hand needs its stored hash
                 "hash": campaignapi._hash_secret(SECRET), "created": T, "expires": None,
                 "revoked": 0}),
     ("suppression", {"account": 1, "email": "Gone@Example.com", "reason": "unsubscribed",
@@ -187,6 +188,7 @@ CAMPAIGN_V3 = CAMPAIGN_V1.replace(
 V3 = V1.replace(IMPORT_V1, IMPORT_V3).replace(CAMPAIGN_V1, CAMPAIGN_V3)
 STEPS = (
     (2, "ALTER TABLE campaign ADD COLUMN note TEXT NOT NULL DEFAULT ''"),
+    # internal: the migration machinery itself, run on made-up steps
     (3, {"sqlite": lambda conn: campaignapi._rebuild_table(conn, "import", IMPORT_V3),
          "postgresql": "ALTER TABLE import DROP CONSTRAINT import_uploadtype_check, "
                        "ADD CONSTRAINT import_uploadtype_check "
@@ -198,6 +200,7 @@ def _upgrade(db, target, steps, script=V3):
     conn = campaignapi.connect(db)
     try:
         with conn.schema_change():
+            # internal: the migration machinery itself, run on made-up steps
             campaignapi._migrate(conn, script, target, steps)
     finally:
         conn.close()

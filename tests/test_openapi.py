@@ -50,6 +50,7 @@ def test_a_route_added_to_the_table_appears_without_touching_the_generator(monke
 
     extra = campaignapi.Route("POST", "/probe/{thing:int|all}/x/{name:name}", "write", probe,
                               "flavour:a|b! count:int tags:list")
+    # internal: the added route's parameter needs its documentation where the generator looks
     monkeypatch.setitem(campaignapi.PARAM_DOCS, "flavour", ("A taste.", "a"))
     monkeypatch.setattr(campaignapi, "ROUTES", [*campaignapi.ROUTES, extra])
     document = webtest.TestApp(campaignapi.create_app(db)).get("/v1/openapi.json").json
@@ -111,6 +112,7 @@ def test_a_record_kind_is_described_in_its_resource_and_nowhere_else(document):
 
 def test_every_parameter_type_has_a_schema():
     # A type added to the pipeline must be described too.
+    # internal: two tables of the module that must agree
     assert set(campaignapi.PARAM_TYPES) <= set(campaignapi._PARAM_SCHEMAS)
 
 

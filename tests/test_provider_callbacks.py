@@ -25,6 +25,14 @@ import campaignapi
 from campaignapi import ProviderAuthError
 from signedhelpers import Receiver, answer, client_context, self_signed
 
+# Each provider's parser is tested on its own: the provider's own examples,
+# forgeries and replays, more than the routes (tests/test_bounce_routes.py) show.
+parse_sns = campaignapi._parse_sns_callback  # internal: the SNS parser itself
+parse_mailgun = campaignapi._parse_mailgun_callback  # internal: the Mailgun parser itself
+parse_postmark = campaignapi._parse_postmark_callback  # internal: the Postmark parser itself
+parse_sendgrid = campaignapi._parse_sendgrid_callback  # internal: the SendGrid parser itself
+load_sendgrid_public_key = campaignapi._load_sendgrid_public_key  # internal: its key forms
+
 FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
@@ -66,6 +74,18 @@ SES_COMPLAINT = {
                   "feedbackId": "000001378603177f-18c07c78-fa81-4a58-9dd1-fedc3cb8f49a-000000"},
     "mail": {"timestamp": "2016-01-27T14:59:38.237Z", "messageId": "000001378603176d-5a4b5ad9",
              "source": "john@example.com", "destination": ["richard@example.com"]},
+}
+
+
+#: The fields SNS signs, in this order, by message type (AWS documentation,
+#: "Verifying the signatures of Amazon SNS messages"): written out from there, not taken
+#: from the module, so that a wrong list in the module fails the tests.
+SNS_SIGNED_FIELDS = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                 "TopicArn", "Type"),
+    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token",
+                                "TopicArn", "Type"),
 }
 
 
@@ -118,7 +138,7 @@ class Sns:
         return message
 
     def sign(self, message, version="1", key=None):
-        fields = campaignapi._SNS_SIGNED_FIELDS[message["Type"]]
+        fields = SNS_SIGNED_FIELDS[message["Type"]]
         canonical = "".join(f"{name}\n{message[name]}\n" for name in fields if name in message)
         digest = hashes.SHA1() if version == "1" else hashes.SHA256()
         signature = (key or self.key).sign(canonical.encode(), padding.PKCS1v15(), digest)
@@ -126,7 +146,7 @@ class Sns:
 
     def read(self, message, **options):
         body = message if isinstance(message, bytes) else json.dumps(message).encode()
-        return campaignapi._parse_sns_callback(body, topic_arns=[TOPIC], fetch=self.fetch,
+        return parse_sns(body, topic_arns=[TOPIC], fetch=self.fetch,
                                     cert_url_pattern=self.pattern, **options)
 
 
@@ -239,9 +259,9 @@ def test_sns_forged_altered_replayed_and_unsigned_are_refused(sns):
 def test_sns_topics_given_as_one_string_are_one_topic(sns):
     message = sns.message(SES_BOUNCE, topic="arn")
     with pytest.raises(ProviderAuthError, match="not one accepted"):
-        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=TOPIC, fetch=sns.fetch,
+        parse_sns(json.dumps(message).encode(), topic_arns=TOPIC, fetch=sns.fetch,
                              cert_url_pattern=sns.pattern)
-    assert len(campaignapi._parse_sns_callback(json.dumps(sns.message(SES_BOUNCE)).encode(),
+    assert len(parse_sns(json.dumps(sns.message(SES_BOUNCE)).encode(),
                                     topic_arns=TOPIC, fetch=sns.fetch,
                                     cert_url_pattern=sns.pattern)) == 2
 
@@ -249,11 +269,16 @@ def test_sns_topics_given_as_one_string_are_one_topic(sns):
 def test_sns_default_pattern_allows_only_amazon_hosts(sns):
     message = sns.message(SES_BOUNCE)
     with pytest.raises(ProviderAuthError, match="not an https URL of Amazon SNS"):
-        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=sns.fetch)
+        parse_sns(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=sns.fetch)
     assert not sns.fetched(".pem")
     for good in ("sns.eu-west-1.amazonaws.com", "sns.cn-north-1.amazonaws.com.cn"):
-        assert campaignapi._sns_url(f"https://{good}/SimpleNotificationService-a.pem",
-                                    campaignapi.SNS_CERT_HOST, "x")
+        # An Amazon host passes the default pattern: its certificate is read.
+        url = f"https://{good}/SimpleNotificationService-{good}.pem"
+        body = json.dumps(sns.message(SES_BOUNCE, SigningCertURL=url)).encode()
+        asked = []
+        assert parse_sns(body, topic_arns=[TOPIC],
+                                    fetch=lambda wanted: asked.append(wanted) or sns.cert)
+        assert asked == [url]
 
 
 def test_sns_malformed_is_a_value_error(sns):
@@ -279,7 +304,7 @@ def never_fetch(url):
 @given(body=st.binary(max_size=300))
 def test_sns_any_bytes_give_events_or_a_clean_refusal(body):
     try:
-        assert isinstance(campaignapi._parse_sns_callback(body, topic_arns=[TOPIC], fetch=never_fetch), list)
+        assert isinstance(parse_sns(body, topic_arns=[TOPIC], fetch=never_fetch), list)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -292,7 +317,7 @@ def test_sns_any_json_shape_gives_a_clean_refusal(extra):
     message = {"Type": "Notification", "MessageId": "m", "Message": "{}", "TopicArn": TOPIC,
                "Timestamp": now_iso(), **extra}
     with pytest.raises((ProviderAuthError, ValueError)):
-        campaignapi._parse_sns_callback(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=never_fetch)
+        parse_sns(json.dumps(message).encode(), topic_arns=[TOPIC], fetch=never_fetch)
 
 
 # Mailgun ---------------------------------------------------------------------------
@@ -320,21 +345,21 @@ MAILGUN_FAILED = {
 }
 
 
-def _parse_mailgun_callback(call, key=MAILGUN_KEY):
-    return campaignapi._parse_mailgun_callback(json.dumps(call).encode(), key)
+def mailgun_events(call, key=MAILGUN_KEY):
+    return parse_mailgun(json.dumps(call).encode(), key)
 
 
 def test_mailgun_failures_and_complaints():
-    assert _parse_mailgun_callback(mailgun(MAILGUN_FAILED)) == [
+    assert mailgun_events(mailgun(MAILGUN_FAILED)) == [
         {"email": "alice@example.com", "type": "hard",
          "reason": "Not delivering to previously bounced address",
          "message_id": "20130503192659.13651.20287@example.com"}]
     temporary = dict(MAILGUN_FAILED, severity="temporary")
-    assert [e["type"] for e in _parse_mailgun_callback(mailgun(temporary))] == ["soft"]
+    assert [e["type"] for e in mailgun_events(mailgun(temporary))] == ["soft"]
     complained = {"event": "complained", "recipient": "alice@example.com",
                   "message": MAILGUN_FAILED["message"]}
-    assert [e["type"] for e in _parse_mailgun_callback(mailgun(complained))] == ["complaint"]
-    assert _parse_mailgun_callback(mailgun({"event": "delivered", "recipient": "alice@example.com"})) == []
+    assert [e["type"] for e in mailgun_events(mailgun(complained))] == ["complaint"]
+    assert mailgun_events(mailgun({"event": "delivered", "recipient": "alice@example.com"})) == []
 
 
 def test_mailgun_forged_replayed_and_unsigned_are_refused():
@@ -354,33 +379,33 @@ def test_mailgun_forged_replayed_and_unsigned_are_refused():
     }
     for name, (call, says) in cases.items():
         with pytest.raises(ProviderAuthError, match=says):
-            _parse_mailgun_callback(call)
+            mailgun_events(call)
         assert name
 
 
 def test_mailgun_and_postmark_without_configured_secrets_refuse_everything():
     unkeyed = mailgun(MAILGUN_FAILED, key="")
     with pytest.raises(ProviderAuthError, match="configured"):
-        _parse_mailgun_callback(unkeyed, key="")
+        mailgun_events(unkeyed, key="")
     with pytest.raises(ProviderAuthError, match="configured"):
-        campaignapi._parse_postmark_callback(json.dumps(POSTMARK_BOUNCE).encode(), "Basic Og==", "")
+        parse_postmark(json.dumps(POSTMARK_BOUNCE).encode(), "Basic Og==", "")
 
 
 def test_mailgun_malformed_is_a_value_error():
     for body in (b"", b"nope", b"[1]"):
         with pytest.raises(ValueError):
-            campaignapi._parse_mailgun_callback(body, MAILGUN_KEY)
+            parse_mailgun(body, MAILGUN_KEY)
     with pytest.raises(ValueError, match="event-data"):
-        _parse_mailgun_callback(mailgun("not an object"))
+        mailgun_events(mailgun("not an object"))
     with pytest.raises(ValueError, match="address"):
-        _parse_mailgun_callback(mailgun(dict(MAILGUN_FAILED, recipient=None)))
+        mailgun_events(mailgun(dict(MAILGUN_FAILED, recipient=None)))
 
 
 @FUZZ
 @given(body=st.binary(max_size=300))
 def test_mailgun_any_bytes(body):
     try:
-        assert isinstance(campaignapi._parse_mailgun_callback(body, MAILGUN_KEY), list)
+        assert isinstance(parse_mailgun(body, MAILGUN_KEY), list)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -390,7 +415,7 @@ def test_mailgun_any_bytes(body):
 def test_mailgun_any_json_shape(event_data, signature):
     for call in (mailgun(event_data), {"signature": signature, "event-data": event_data}):
         try:
-            assert isinstance(_parse_mailgun_callback(call), list)
+            assert isinstance(mailgun_events(call), list)
         except (ProviderAuthError, ValueError):
             pass
 
@@ -413,8 +438,8 @@ POSTMARK_BOUNCE = {
 }
 
 
-def _parse_postmark_callback(record, authorization=AUTH):
-    return campaignapi._parse_postmark_callback(json.dumps(record).encode(), authorization, CREDENTIALS)
+def postmark_events(record, authorization=AUTH):
+    return parse_postmark(json.dumps(record).encode(), authorization, CREDENTIALS)
 
 
 @pytest.mark.parametrize(("bounce_type", "kind"), [
@@ -423,7 +448,7 @@ def _parse_postmark_callback(record, authorization=AUTH):
     ("SpamComplaint", "complaint"), ("AutoResponder", None), ("OpenRelayTest", None),
     ("Subscribe", None), ("DMARCPolicy", None)])
 def test_postmark_bounce_types(bounce_type, kind):
-    events = _parse_postmark_callback(dict(POSTMARK_BOUNCE, Type=bounce_type))
+    events = postmark_events(dict(POSTMARK_BOUNCE, Type=bounce_type))
     assert [e["type"] for e in events] == ([kind] if kind else [])
     if kind:
         assert events[0]["email"] == "john@example.com"
@@ -433,8 +458,8 @@ def test_postmark_bounce_types(bounce_type, kind):
 def test_postmark_spam_complaint_and_other_records():
     complaint = dict(POSTMARK_BOUNCE, RecordType="SpamComplaint", Type="SpamComplaint",
                      TypeCode=512)
-    assert _parse_postmark_callback(complaint)[0]["type"] == "complaint"
-    assert _parse_postmark_callback({"RecordType": "Delivery", "Recipient": "john@example.com"}) == []
+    assert postmark_events(complaint)[0]["type"] == "complaint"
+    assert postmark_events({"RecordType": "Delivery", "Recipient": "john@example.com"}) == []
 
 
 @pytest.mark.parametrize("authorization", [
@@ -443,16 +468,16 @@ def test_postmark_spam_complaint_and_other_records():
     "Basic " + base64.b64encode(CREDENTIALS.encode() + b"x").decode()])
 def test_postmark_without_the_credentials_is_refused(authorization):
     with pytest.raises(ProviderAuthError):
-        _parse_postmark_callback(POSTMARK_BOUNCE, authorization)
+        postmark_events(POSTMARK_BOUNCE, authorization)
 
 
 def test_postmark_scheme_is_case_insensitive_and_malformed_is_a_value_error():
-    assert _parse_postmark_callback(POSTMARK_BOUNCE, "basic " + AUTH.split()[1])[0]["type"] == "hard"
+    assert postmark_events(POSTMARK_BOUNCE, "basic " + AUTH.split()[1])[0]["type"] == "hard"
     for body in (b"", b"{", b"[]"):
         with pytest.raises(ValueError):
-            campaignapi._parse_postmark_callback(body, AUTH, CREDENTIALS)
+            parse_postmark(body, AUTH, CREDENTIALS)
     with pytest.raises(ValueError, match="address"):
-        _parse_postmark_callback(dict(POSTMARK_BOUNCE, Email=""))
+        postmark_events(dict(POSTMARK_BOUNCE, Email=""))
 
 
 @FUZZ
@@ -460,7 +485,7 @@ def test_postmark_scheme_is_case_insensitive_and_malformed_is_a_value_error():
 def test_postmark_any_bytes_and_shapes(body, record):
     for call in (body, json.dumps(record).encode()):
         try:
-            assert isinstance(campaignapi._parse_postmark_callback(call, AUTH, CREDENTIALS), list)
+            assert isinstance(parse_postmark(call, AUTH, CREDENTIALS), list)
         except ValueError:
             pass
 
@@ -501,8 +526,8 @@ def sendgrid(events=SENDGRID_EVENTS, key=SENDGRID_KEY, timestamp=None):
 def test_sendgrid_events_with_the_key_as_base64_der_and_as_pem():
     pem = SENDGRID_KEY.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
-    for public in (SENDGRID_PUBLIC, pem, campaignapi._load_sendgrid_public_key(SENDGRID_PUBLIC)):
-        events = campaignapi._parse_sendgrid_callback(*sendgrid(), public)
+    for public in (SENDGRID_PUBLIC, pem, load_sendgrid_public_key(SENDGRID_PUBLIC)):
+        events = parse_sendgrid(*sendgrid(), public)
         assert [(e["email"], e["type"]) for e in events] == [
             ("example@test.com", "hard"), ("blocked@test.com", "soft"),
             ("dropped@test.com", "hard"), ("spam@test.com", "complaint")]
@@ -528,16 +553,16 @@ def test_sendgrid_forged_altered_replayed_and_unsigned_are_refused():
     }
     for name, (call, says) in cases.items():
         with pytest.raises(ProviderAuthError, match=says):
-            campaignapi._parse_sendgrid_callback(*call, SENDGRID_PUBLIC)
+            parse_sendgrid(*call, SENDGRID_PUBLIC)
         assert name
 
 
 def test_sendgrid_malformed_is_a_value_error():
     for events in ({"event": "bounce"}, [1], [{"event": "bounce", "email": None}]):
         with pytest.raises(ValueError):
-            campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC)
+            parse_sendgrid(*sendgrid(events), SENDGRID_PUBLIC)
     with pytest.raises(ValueError, match="not JSON"):
-        campaignapi._parse_sendgrid_callback(b"{", *_sign(b"{"), SENDGRID_PUBLIC)
+        parse_sendgrid(b"{", *_sign(b"{"), SENDGRID_PUBLIC)
 
 
 def _sign(body):
@@ -553,7 +578,7 @@ def _sign(body):
     "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"])
 def test_sendgrid_bad_keys_are_refused_when_loaded(key):
     with pytest.raises(ValueError, match="SendGrid public key"):
-        campaignapi._load_sendgrid_public_key(key)
+        load_sendgrid_public_key(key)
 
 
 @FUZZ
@@ -561,7 +586,7 @@ def test_sendgrid_bad_keys_are_refused_when_loaded(key):
        timestamp=st.text(max_size=14))
 def test_sendgrid_any_bytes_and_headers(body, signature, timestamp):
     try:
-        campaignapi._parse_sendgrid_callback(body, signature, timestamp, SENDGRID_PUBLIC)
+        parse_sendgrid(body, signature, timestamp, SENDGRID_PUBLIC)
     except (ProviderAuthError, ValueError):
         pass
 
@@ -570,7 +595,7 @@ def test_sendgrid_any_bytes_and_headers(body, signature, timestamp):
 @given(events=JSON)
 def test_sendgrid_any_signed_json_shape(events):
     try:
-        assert isinstance(campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC), list)
+        assert isinstance(parse_sendgrid(*sendgrid(events), SENDGRID_PUBLIC), list)
     except ValueError:
         pass
 
@@ -633,7 +658,7 @@ def test_sns_signed_notification_of_any_shape(sns, notification):
                          **{"delivery-status": nearly(description=st.text())}))
 def test_mailgun_signed_event_of_any_shape(event_data):
     try:
-        events = _parse_mailgun_callback(mailgun(event_data))
+        events = mailgun_events(mailgun(event_data))
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in events)
@@ -645,7 +670,7 @@ def test_mailgun_signed_event_of_any_shape(event_data):
                      Email=ADDRESS, MessageID=st.text(), Description=st.text()))
 def test_postmark_record_of_any_shape(record):
     try:
-        events = _parse_postmark_callback(record)
+        events = postmark_events(record)
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in events)
@@ -658,7 +683,7 @@ def test_postmark_record_of_any_shape(record):
                               email=ADDRESS), max_size=4))
 def test_sendgrid_signed_events_of_any_shape(events):
     try:
-        found = campaignapi._parse_sendgrid_callback(*sendgrid(events), SENDGRID_PUBLIC)
+        found = parse_sendgrid(*sendgrid(events), SENDGRID_PUBLIC)
     except ValueError:
         return
     assert all(e["type"] in ("hard", "soft", "complaint") for e in found)

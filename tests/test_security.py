@@ -17,7 +17,8 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from helpers import KEYED_ROUTES, assert_error, build_world, filled, route_id, send, snapshot
+from helpers import (KEYED_ROUTES, assert_error, b64, build_world, filled, route_id, send,
+                     snapshot, unb64)
 
 LEAKS = ("SELECT", "INSERT", "UPDATE ", "sqlite", "Traceback", 'File "', "campaignapi.py",
          "Error:", "cak_")
@@ -298,20 +299,20 @@ def test_no_error_body_shows_sql_or_a_traceback(client, auth, api, monkeypatch):
 
 # --- unsubscribe tokens ----------------------------------------------------------------------
 
-def test_unsubscribe_tokens_are_signed_and_forgeries_refused(client, api, db):
+def test_unsubscribe_tokens_are_signed_and_forgeries_refused(client, api, db, app):
     ids = build_world(api)
     account = int(api.get(f"/datasource/{ids['datasource']}")["datasource"]["owner"])
-    secret = campaignapi._stored_secret(campaignapi.connect(db))
+    secret = app.config["campaignapi.service"].secret
     good = campaignapi.unsubscribe_token(secret, account, "ann@example.com", 1)
     payload, mac = good.split(".")
-    assert len(campaignapi._unb64(mac)) * 8 >= 128
-    other_payload = campaignapi._b64(f"{account}::bob@example.com".encode())
+    assert len(unb64(mac)) * 8 >= 128
+    other_payload = b64(f"{account}::bob@example.com".encode())
     forged = [
         f"{other_payload}.{mac}",                                       # another address, old MAC
         campaignapi.unsubscribe_token("not-the-secret", account, "bob@example.com"),
         f"{payload}.{mac[:-2]}", f"{payload}.", f".{mac}", payload, good + ".x",
         good[:-1] + ("A" if good[-1] != "A" else "B"), "A" * len(good), "..", "%2E",
-        campaignapi._b64(b"\xff\xfe:1:x") + "." + mac,
+        b64(b"\xff\xfe:1:x") + "." + mac,
     ]
     before = snapshot(db)
     for token in forged:

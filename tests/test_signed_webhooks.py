@@ -161,12 +161,14 @@ def test_endless_headers_stop_at_max_response():
     assert time.monotonic() - started < 1.0
 
 
-def test_a_huge_body_is_refused_by_fetch_after_max_bytes():
-    with Receiver(lambda h: answer(h, 200, b"z" * 5_000_000)) as receiver:
+def test_a_huge_body_is_refused_by_fetch_after_max_bytes(tmp_path):
+    key, cert = self_signed("localhost")
+    with Receiver(lambda h: answer(h, 200, b"z" * 5_000_000), tls=(key, cert),
+                  tmp_path=tmp_path) as receiver:
+        url = receiver.url(host="localhost", scheme="https")
         with pytest.raises(ValueError, match="longer than 1000 bytes"):
-            campaignapi._http_exchange("GET", receiver.url(), {}, b"", allow_private=True,
-                                       timeout=5, max_response=1000, context=None,
-                                       read_body=True)
+            campaignapi.fetch_https(url, allow_private=True, context=client_context(cert),
+                                    timeout=5, max_bytes=1000)
 
 
 def test_redirects_are_not_followed():

@@ -23,10 +23,12 @@ def subscribe():
     added = []
 
     def add(kind, handler):
+        # internal: the registry of subscribers has no public face (see the docstring)
         added.append((kind, campaignapi._subscribe(kind, handler)))
 
     yield add
     for kind, handler in added:
+        # internal: takes the test's handlers out of that registry again
         campaignapi._SUBSCRIBERS[kind].remove(handler)
 
 
@@ -88,11 +90,13 @@ def test_a_subscriber_sees_every_kind_of_event_in_its_transaction(
         seen_confirm.append((inside, outside))
 
     seen_confirm = []
+    # internal: the registry of subscribers has no public face (see the docstring)
     campaignapi._subscribe("recipient.confirmed", confirmed)
     try:
         body = scalar(db, "SELECT body FROM outbox WHERE kind = 'signup'")
         assert client.post(confirm_path(body)).status_int == 200
     finally:
+        # internal: takes the handler out of that registry again
         campaignapi._SUBSCRIBERS["recipient.confirmed"].remove(confirmed)
     assert seen_confirm == [("active", "unconfirmed")]
     campaignapi.process_due(db)                     # batch.started
@@ -170,4 +174,5 @@ def test_a_failing_subscriber_of_the_worker_leaves_the_batch_to_be_made_again(
 
 def test_only_known_kinds_can_be_subscribed():
     with pytest.raises(ValueError, match="unknown event kind"):
+        # internal: the registry of subscribers has no public face (see the docstring)
         campaignapi._subscribe("recipient.teleported", lambda *args: None)

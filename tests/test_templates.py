@@ -11,8 +11,8 @@ import pytest
 import campaignapi
 from clihelpers import served
 from conftest import Api
-from helpers import (assert_error, http, import_csv, keyed_client, make_campaign, scalar, send,
-                     snapshot, wait_for)
+from helpers import (app_secret, assert_error, http, import_csv, keyed_client, make_campaign,
+                     scalar, send, snapshot, wait_for)
 
 LAYOUT_HTML = """<!doctype html><html><head><style>
 .frame { border: 1px solid #cccccc; padding: 8px; }
@@ -362,8 +362,7 @@ def test_a_test_send_reaches_only_its_addresses_now_without_batch_or_schedule(
     assert html_body.split("/v1/unsubscribe/")[0] == preview["html"].split("/v1/unsubscribe/")[0]
     assert link not in text_body and "/v1/unsubscribe/" in text_body
     token = text_body.split("/v1/unsubscribe/")[1].split()[0]
-    assert campaignapi.read_unsubscribe_token(
-        campaignapi._stored_secret(campaignapi.connect(db)), token)[1] == "qa@example.net"
+    assert campaignapi.read_unsubscribe_token(app_secret(db), token)[1] == "qa@example.net"
     assert scalar(db, "SELECT count(*) FROM outbox WHERE kind = 'test' AND batch IS NULL") == 2
     assert scalar(db, "SELECT count(*) FROM event") == 0
 

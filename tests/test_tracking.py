@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import campaignapi
-from helpers import database, http, make_datasource, import_csv, scalar
+from helpers import account_id, b64, database, http, import_csv, later, make_datasource, scalar
 
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 
@@ -225,7 +225,7 @@ def test_forged_or_altered_click_tokens_are_a_404_page_and_count_nothing(client,
 @settings(deadline=None, database=None, derandomize=True, max_examples=150,
           suppress_health_check=list(HealthCheck))
 @given(token=st.text(min_size=1, max_size=120) | st.binary(min_size=1, max_size=60).map(
-    lambda data: campaignapi._b64(data)))
+    b64))
 def test_open_and_click_never_answer_5xx(client_for_fuzz, token):
     quoted = urllib.parse.quote(token, safe="")
     for route in ("open", "click"):
@@ -298,7 +298,7 @@ def test_the_archive_counts_what_happened(client, db, api, sent):
     assert record["links"] == [
         {"url": "https://shop.example/sale?who={{first}}&x=1", "clicks": "2", "clicked": "1"},
         {"url": "https://blog.example/post", "clicks": "1", "clicked": "1"}]
-    hour = campaignapi._now()[:13] + ":00:00"
+    hour = later()[:13] + ":00:00"
     assert record["timeline"] == [{"hour": hour, "opens": "3", "clicks": "3"}]
     one = api.get(f"/campaign/{sent['campaign']}/batcharchive/{sent['batch']}")["batcharchive"]
     assert {name: one[name] for name in campaignapi.STATISTICS} == figures
@@ -326,15 +326,15 @@ def test_each_statistics_statement_reads_one_index_of_the_batch(tmp_path):
     search by the batch (never a scan of the table) and read the outbox and
     event rows from covering indexes."""
     db = str(tmp_path / "plan.db")
-    campaignapi.init_db(db)
+    account = account_id(db, "owner@example.com")
     with database(db) as conn:
         with campaignapi.transaction(conn):
-            account = campaignapi._account_for(conn, "owner@example.com")
             conn.execute("INSERT INTO campaign (id, owner, accountprofile, name) "
                          "VALUES (1, ?, 1, 'c')", (account,))
             conn.execute("INSERT INTO batch (id, campaign, timestamp) VALUES (1, 1, 'x')")
         batch, statements = conn.execute("SELECT * FROM batch").fetchone(), []
         conn.set_trace_callback(statements.append)
+        # internal: the statements as the statistics run them, on a connection the test traces
         campaignapi._batch_statistics(conn, batch)
         conn.set_trace_callback(None)
         assert len(statements) == 5
@@ -354,7 +354,7 @@ def test_a_browser_sees_the_archive_as_a_page_with_the_chart(client, db, api, au
     ann = sent["html"]["ann@example.com"]
     for url in (open_url_in(ann), links_in(ann)[0], links_in(ann)[1]):
         client.get(path_of(url))
-    earlier = campaignapi._shift(campaignapi._now(), -3 * 3600)
+    earlier = later(-3 * 3600)
     with database(db) as conn, campaignapi.transaction(conn):   # the open three hours ago
         conn.execute("UPDATE event SET created = ? WHERE id = 1", (earlier,))
     path = f"/v1/campaign/{sent['campaign']}/archive/{sent['campaign']}"
@@ -453,11 +453,14 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
 def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
     """The statements of the public routes and of the statistics, on SQLite
     and PostgreSQL, over rows made by plain SQL."""
-    campaignapi.init_db(engine_db)
+    # internal: the token lookups themselves on both engines in one run, over plain SQL rows
+    store_links, campaign_email = campaignapi._store_links, campaignapi._campaign_email
+    # internal: the figures of the archive routes themselves, over the same rows
+    statistics, event_figures = campaignapi._batch_statistics, campaignapi._event_figures
+    account = account_id(engine_db, "owner@example.com")
     conn = campaignapi.connect(engine_db)
     try:
         with campaignapi.transaction(conn):
-            account = campaignapi._account_for(conn, "owner@example.com")
             campaign = conn.execute("INSERT INTO campaign (owner, accountprofile, name, tracking) "
                                     "VALUES (?, 1, 'c', 1)", (account,)).lastrowid
             batch = conn.execute("INSERT INTO batch (campaign, timestamp, status, recipients, "
@@ -465,7 +468,7 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
                                  (campaign,)).lastrowid
             conn.execute("INSERT INTO batch_message (batch, message, subject, html, text) "
                          "VALUES (?, 1, 's', ?, '')", (batch, HTML))
-            campaignapi._store_links(conn, batch)
+            store_links(conn, batch)
             emails = [conn.execute(
                 "INSERT INTO outbox (account, kind, batch, message, recipient, to_addr, status) "
                 "VALUES (?, 'campaign', ?, 1, 0, ?, ?)",
@@ -473,14 +476,14 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
                 for i, status in enumerate(("sent", "sent", "failed"))]
         secret = "s" * 64
         token = campaignapi.sign_token(secret, "click", emails[0], 1)
-        email, numbers = campaignapi._campaign_email(conn, secret, "click", token, size=2)
+        email, numbers = campaign_email(conn, secret, "click", token, size=2)
         assert (email["url"], email["email"], email["campaign"]) == (
             "https://blog.example/post", "p0@example.com", campaign)
-        assert campaignapi._campaign_email(conn, secret, "click",
-                                           campaignapi.sign_token(secret, "click", 2**70, 0),
-                                           size=2) == (None, None)
+        assert campaign_email(conn, secret, "click",
+                              campaignapi.sign_token(secret, "click", 2**70, 0),
+                              size=2) == (None, None)
         campaignapi.record_event(conn, "click", email, numbers[1])
-        opened, _ = campaignapi._campaign_email(
+        opened, _ = campaign_email(
             conn, secret, "open", campaignapi.sign_token(secret, "open", emails[1]))
         campaignapi.record_event(conn, "open", opened)
         campaignapi.record_event(conn, "open", opened)
@@ -488,7 +491,8 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
             campaignapi.suppress(conn, account, "p1@example.com", "unsubscribed", campaign,
                                  batch=batch, outbox=emails[1])
         row = conn.execute("SELECT * FROM batch WHERE id = ?", (batch,)).fetchone()
-        figures = campaignapi._batch_statistics(conn, row)
+        figures = statistics(conn, row)
+        # internal: the record the archive routes answer, made of those figures
         record = campaignapi._statistics_record(figures)
         assert {name: record[name] for name in campaignapi.STATISTICS} == {
             "recipients": "3", "sent": "2", "failed": "1", "bounced": "0", "complained": "0",
@@ -498,7 +502,7 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
             {"url": "https://shop.example/sale?who={{first}}&x=1", "clicks": "0",
              "clicked": "0"}]
         assert [point["opens"] for point in record["timeline"]] == ["2"]
-        assert campaignapi._event_figures(conn, "campaign = ? AND batch IS NULL",
-                                          (campaign,))["unsubscribed"] == 0
+        assert event_figures(conn, "campaign = ? AND batch IS NULL",
+                             (campaign,))["unsubscribed"] == 0
     finally:
         conn.close()

@@ -1,6 +1,7 @@
 """The rendering helpers of tracking and templates: signed tokens, the
 tracking rewrite, the open GIF, CSS inlining and template wrapping."""
 
+import hmac
 import html.parser
 import logging
 import string
@@ -10,13 +11,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import campaignapi
-from helpers import reference_fill
+from helpers import b64, fill, reference_fill
 from campaignapi import (GIF_PIXEL, check_template, click_target, inline_css, read_token,
                          sign_token, track_html, tracking_values, wrap_in_template)
 
 SECRET = "k3y-of-the-test"
 B64URL = string.ascii_letters + string.digits + "-_"
 PIXEL_SRC = "{{open_url}}"
+# internal: the open pixel's tag as track_html() writes it: these tests check where it goes
+PIXEL = campaignapi._PIXEL
 
 
 # Tokens ------------------------------------------------------------------------
@@ -65,11 +68,16 @@ def test_a_token_belongs_to_its_purpose_and_secret():
 def test_a_token_has_no_second_spelling_of_its_numbers():
     # A varint with a needless zero group, correctly signed, is still refused:
     # one row, one token.
-    payload = bytes([0x81, 0x00])  # 1, spelled in two bytes
-    mac = campaignapi.hmac.digest(campaignapi._purpose_key(SECRET, "open"), payload, "sha256")
-    forged = campaignapi._b64(payload + mac[:campaignapi.TOKEN_MAC_BYTES])
-    assert read_token(SECRET, "open", forged) is None
-    assert campaignapi._parse_varints(bytes([0x81])) is None  # unterminated
+    # internal: a correctly signed forgery needs the key of the purpose
+    key = campaignapi._purpose_key(SECRET, "open")
+
+    def forged(payload):
+        mac = hmac.digest(key, payload, "sha256")[:campaignapi.TOKEN_MAC_BYTES]
+        return b64(payload + mac)
+
+    assert read_token(SECRET, "open", forged(bytes([0x01]))) == (1,)  # the forger works
+    assert read_token(SECRET, "open", forged(bytes([0x81, 0x00]))) is None  # 1 in two bytes
+    assert read_token(SECRET, "open", forged(bytes([0x81]))) is None  # unterminated
 
 
 def test_a_token_holds_no_address_and_no_clear_numbers():
@@ -86,7 +94,7 @@ def test_only_non_negative_integers_can_be_signed(numbers):
 
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.text(max_size=60), st.text(alphabet=B64URL + "=", max_size=40),
-                 st.binary(max_size=30).map(campaignapi._b64), st.none(), st.integers(),
+                 st.binary(max_size=30).map(b64), st.none(), st.integers(),
                  st.binary(max_size=20)))
 def test_any_text_reads_as_none_or_numbers_never_an_error(token):
     result = read_token(SECRET, "click", token)
@@ -150,7 +158,7 @@ class _Tags(html.parser.HTMLParser):
 
 
 def without_pixel(text):
-    pixel = campaignapi._PIXEL
+    pixel = PIXEL
     assert text.count(pixel) == 1
     return text.replace(pixel, "", 1)
 
@@ -168,7 +176,7 @@ def test_links_become_numbered_tags_and_the_rest_stays_byte_for_byte():
                 .replace("'http://example.org/b?x=1&amp;y=2'", '"{{click_url_1}}"')
                 .replace("https://example.net/c", '"{{click_url_2}}"'))
     assert without_pixel(out) == expected
-    assert out.index(campaignapi._PIXEL) == out.index("</body>") - len(campaignapi._PIXEL)
+    assert out.index(PIXEL) == out.index("</body>") - len(PIXEL)
 
 
 def test_unsubscribe_mailto_tel_anchors_and_relative_links_stay():
@@ -217,13 +225,13 @@ def test_click_targets_are_valid_locations_on_the_written_host():
 
 def test_the_pixel_goes_at_the_end_without_a_body_and_before_an_unfinished_tag():
     out, links = track_html("<p>No body tag</p>")
-    assert out == "<p>No body tag</p>" + campaignapi._PIXEL and links == []
+    assert out == "<p>No body tag</p>" + PIXEL and links == []
     out, _ = track_html("<p>cut off</p><a href=\"http://x.example")
-    assert out == "<p>cut off</p>" + campaignapi._PIXEL + "<a href=\"http://x.example"
-    assert track_html("")[0] == campaignapi._PIXEL
+    assert out == "<p>cut off</p>" + PIXEL + "<a href=\"http://x.example"
+    assert track_html("")[0] == PIXEL
     # The last </body> counts; one in a comment does not.
     out, _ = track_html("<body>a<!-- </body> --></body>\n")
-    assert out == "<body>a<!-- </body> -->" + campaignapi._PIXEL + "</body>\n"
+    assert out == "<body>a<!-- </body> -->" + PIXEL + "</body>\n"
 
 
 def test_nested_tables_multiline_tags_and_unicode_keep_their_offsets():
@@ -248,10 +256,9 @@ def test_per_recipient_only_tokens_are_filled():
     source = ('<body><p>Hi {{name}}</p><a href="https://example.com/?u={{email}}">x</a>'
               '<a href="{{unsubscribe_url}}">leave</a></body>')
     prepared, links = track_html(source)
-    template = campaignapi._Template(prepared)
     values = {"name": "<Ann>", "email": "ann@example.com", "unsubscribe_url": "https://u/1"}
     values.update(tracking_values(SECRET, "https://api.example/", 77, len(links)))
-    filled = template.fill(values, as_html=True)
+    filled = fill(prepared, values, as_html=True)
     assert filled == reference_fill(prepared, values, as_html=True)
     tags = _Tags(filled).tags
     click = tags[2][1][0][1]
@@ -299,6 +306,7 @@ def test_any_htmlish_input_is_tracked_without_error(source):
                               .lower().startswith("http") for name, value in attrs):
             attrs = list(attrs)
             index = next(i for i, (name, _) in enumerate(attrs) if name == "href")
+            # internal: the oracle takes the renderer's own rule of which links are tracked
             if campaignapi._trackable(attrs[index][1]):
                 attrs[index] = ("href", "{{click_url_%d}}" % number)
                 number += 1
@@ -348,20 +356,17 @@ def test_html_without_style_comes_back_as_it_is():
         assert inline_css(source) is source
 
 
-def test_inliner_failure_sends_the_html_as_written(caplog):
+def test_inliner_failure_sends_the_html_as_written(caplog, monkeypatch):
     source = '<style>p{color:red}</style><link rel="stylesheet" href="x.css"><p>a</p>'
     # A relative stylesheet with no base URL: css-inline cannot resolve it.
     import css_inline
     with pytest.raises(css_inline.InlineError):
         css_inline.CSSInliner(load_remote_stylesheets=True).inline(source)
-    campaignapi._css_inliner.cache_clear()
-    original = campaignapi._css_inliner
-    try:
-        campaignapi._css_inliner = lambda module: module.CSSInliner(load_remote_stylesheets=True)
-        with caplog.at_level(logging.WARNING, logger="campaignapi"):
-            assert inline_css(source) == source
-    finally:
-        campaignapi._css_inliner = original
+    # internal: an inliner that fails on this source, as the one made for email never does
+    monkeypatch.setattr(campaignapi, "_css_inliner",
+                        lambda module: module.CSSInliner(load_remote_stylesheets=True))
+    with caplog.at_level(logging.WARNING, logger="campaignapi"):
+        assert inline_css(source) == source
     assert "CSS could not be inlined" in caplog.text
 
 

@@ -5,7 +5,7 @@ import urllib.parse
 import pytest
 
 import campaignapi
-from helpers import database
+from helpers import account_id, b64, database, unb64
 
 
 def query(db, sql, args=()):
@@ -138,7 +138,7 @@ def test_a_token_has_one_spelling_only(db):
     good = campaignapi.unsubscribe_token(secret, 1, "ann@example.com")
     assert campaignapi.read_unsubscribe_token(secret, good) == (1, "ann@example.com", None)
     payload, mac = good.split(".")
-    last = campaignapi._b64(campaignapi._unb64(mac))[-1]
+    last = b64(unb64(mac))[-1]
     same_bits = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
                  if c != last and campaignapi.base64.urlsafe_b64decode(mac[:-1] + c + "==")
                  == campaignapi.base64.urlsafe_b64decode(mac + "==")]
@@ -151,10 +151,10 @@ def test_a_token_has_one_spelling_only(db):
 def test_suppression_reasons_only_grow_stronger_and_are_recorded_once(db, app):
     """A complaint outranks an unsubscribe, which outranks a bounce; each
     change is one statistics event, a repeat or a weaker reason none."""
+    account = account_id(db, "owner@example.com")
     conn = campaignapi.connect(db)
     try:
         with campaignapi.transaction(conn):
-            account = campaignapi._account_for(conn, "owner@example.com")
             ds = conn.execute("INSERT INTO datasource (owner, name) VALUES (?, 'l')",
                               (account,)).lastrowid
             conn.execute("INSERT INTO recipient (datasource, email) VALUES (?, 'a@example.org')",

@@ -19,7 +19,7 @@ import campaignapi
 from clihelpers import served
 from conftest import Api
 from helpers import (EventReceiver, assert_error, build_world, database, http, import_csv,
-                     keyed_client, make_datasource, make_webhook, scalar, send, snapshot,
+                     keyed_client, later, make_datasource, make_webhook, scalar, send, snapshot,
                      wait_for)
 from signedhelpers import answer
 
@@ -44,11 +44,6 @@ def hooks(db, events):
 def deliver(db, **options):
     """The worker's webhook step once, allowed to call loopback."""
     return campaignapi.deliver_webhooks(db, allow_private=True, **options)
-
-
-def later(seconds):
-    """Stored time text ``seconds`` from now."""
-    return campaignapi._shift(campaignapi._now(), seconds)
 
 
 def deliveries(db):
@@ -146,6 +141,7 @@ def test_a_scoped_address_stored_earlier_fails_its_delivery_quietly(hooks, db):
         assert status is None and "IPv6 zone" in error
     # The resolver itself answers an address it cannot use as the URL's fault.
     with pytest.raises(ValueError, match="cannot be used"):
+        # internal: its guard for a name that resolves to such an address (no DNS here)
         campaignapi._resolve("fe80::1%no-such-interface", 80, time.monotonic() + 5)
 
 
