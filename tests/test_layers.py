@@ -17,6 +17,8 @@ RULE = re.compile(r"^# -{20,}$")
 FORWARD_NAMES = (0, 0)
 ENGINE_TESTS_OUTSIDE = (0, 0)
 OUTBOX_WRITERS = (1, 1)
+#: Top-level names that look public (no leading _) but are not in __all__.
+PUBLIC_OUTSIDE_ALL = (155, 0)
 
 
 def banners(lines=SOURCE.splitlines()):
@@ -93,6 +95,22 @@ def test_no_new_reference_to_a_later_banner():
 def test_no_new_engine_test_outside_the_engine_layer():
     found = engine_tests_outside_the_engine_layer()
     assert len(found) <= ENGINE_TESTS_OUTSIDE[0], f"lines {found}"
+
+
+def public_names_outside_all():
+    """Top-level functions, classes and assignments without a leading ``_``
+    that ``__all__`` does not name: the rule is that public names are
+    exactly ``__all__``."""
+    exported = next(ast.literal_eval(node.value) for node in TREE.body
+                    if isinstance(node, ast.Assign)
+                    and any(getattr(target, "id", "") == "__all__" for target in node.targets))
+    return sorted({name for node in TREE.body for name in _bound_names(node)
+                   if not name.startswith("_") and name not in exported})
+
+
+def test_no_new_public_name_outside_all():
+    found = public_names_outside_all()
+    assert len(found) <= PUBLIC_OUTSIDE_ALL[0], found
 
 
 def test_no_new_writer_of_the_outbox():
