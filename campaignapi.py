@@ -35,7 +35,13 @@ __all__ = [
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "InvalidHost", "Unauthorized", "InsufficientAccess", "NotFound",
     "MethodNotAllowed", "Conflict", "VerificationFailed", "PayloadTooLarge",
-    "UnsupportedMediaType", "InvalidData",
+    "UnsupportedMediaType", "InvalidData", "TooManyRequests",
+    "sign_token", "read_token", "unsubscribe_token", "read_unsubscribe_token", "suppress",
+    "log_to_stderr", "INTEGRITY_ERRORS", "SCHEMA_VERSION", "MAX_ID", "MAX_EXPLICIT_ID",
+    "FIELD_TYPES", "RECIPIENT_STATUSES",
+    # The record kinds' declarations: their operations are the handlers of ROUTES.
+    "ACCOUNTPROFILE", "BATCH", "CAMPAIGN", "DATASOURCE", "EXPORT", "FIELD", "IMPORT", "LINK",
+    "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK",
 ]
 
 import argparse
@@ -87,7 +93,7 @@ import urllib.parse
 import bottle
 import flufl.bounce
 
-log = logging.getLogger("campaignapi")
+_log = logging.getLogger("campaignapi")
 
 #: Configuration accepted by create_app(db, **config), with its defaults.
 DEFAULT_CONFIG = {
@@ -136,7 +142,7 @@ LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
 RECIPIENT_STATUSES = ("active", "unconfirmed", "unsubscribed", "bounced", "complained")
-PAGE_DEFAULT, PAGE_MAX = 100, 1000
+_PAGE_DEFAULT, _PAGE_MAX = 100, 1000
 MAX_ID = 2**63 - 1
 #: The largest id a create may choose (2^53 - 1: every JSON client reads it
 #: exactly); creates at id 0 never go past explicit ids far ahead (ID_REACH).
@@ -245,7 +251,7 @@ class TooManyRequests(ApiError):
 # helper, the SQL spellings that differ, the schema and its migrations.
 # ---------------------------------------------------------------------------
 
-PRAGMAS = (
+_PRAGMAS = (
     ("journal_mode", "WAL"),       # readers never wait for the writer
     ("synchronous", "NORMAL"),     # durable at checkpoints; safe with WAL
     ("foreign_keys", "ON"),
@@ -261,7 +267,7 @@ PRAGMAS = (
 #: ``count(*) FILTER (WHERE ...)``, ``WITH x AS MATERIALIZED (...)``,
 #: ``(1 = 1)`` and ``(1 = 0)`` for a constant WHERE.  JSON stays TEXT on both
 #: engines (see _pg_schema); ``key`` is a field id from our own tables.
-SQL = {
+_SQL = {
     "sqlite": {
         "begin": "BEGIN IMMEDIATE",        # the write lock up front (see transaction())
         "now": "datetime('now')",
@@ -340,7 +346,7 @@ INTEGRITY_ERRORS = (sqlite3.IntegrityError,)
 #: range a JSON client reads exactly, and no create at id 0 meets a taken id:
 #: the next ID_REACH ids past the last one are always free.  ID_REACH is more
 #: than the rows one statement inserts (an import chunk: CHUNK_ROWS).
-ID_REACH = 2**20
+_ID_REACH = 2**20
 
 
 def _id_frontier(conn, table, last):
@@ -350,7 +356,7 @@ def _id_frontier(conn, table, last):
     PostgreSQL.)"""
     while True:
         top = conn.execute(f"SELECT max(id) FROM {table} WHERE id > ? AND id <= ?",
-                           (last, last + ID_REACH)).fetchone()[0]
+                           (last, last + _ID_REACH)).fetchone()[0]
         if top is None:
             return last
         last = top
@@ -383,7 +389,7 @@ def connect(db):
                            factory=_SqliteConnection)
     try:
         conn.row_factory = sqlite3.Row
-        for name, value in PRAGMAS:
+        for name, value in _PRAGMAS:
             _pragma(conn, name, value)
     except BaseException:
         conn.close()
@@ -439,7 +445,7 @@ class _SqliteConnection(sqlite3.Connection):
     """sqlite3's connection with the engine's name, spellings and schema steps."""
 
     engine = "sqlite"
-    sql = SQL["sqlite"]
+    sql = _SQL["sqlite"]
     #: Whether a large CSV upload is read by a forked child while this
     #: process writes (_ChildReader): SQLite writes in this process, and only
     #: a second process overlaps the reading (Python, under the GIL) with it.
@@ -751,7 +757,7 @@ class _PgConnection:
     module uses: ``?`` placeholders, rows like sqlite3.Row, lastrowid."""
 
     engine = "postgresql"
-    sql = SQL["postgresql"]
+    sql = _SQL["postgresql"]
     #: The COPY stream already overlaps reading and writing (the server
     #: stores a chunk while the next one is read): no reading child.
     forks_reader = False
@@ -989,12 +995,12 @@ def _pg_schema(script):
                                                      f"{_PG_INDEX_METHODS[index[1]]} (")
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
-        line = line.replace("datetime('now')", SQL["postgresql"]["now"])
+        line = line.replace("datetime('now')", _SQL["postgresql"]["now"])
         lines.append(line)
     for table in tables:
         lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
                                            f"campaignapi_ids_past('{table}_id_seq', "
-                                           f"'{ID_REACH}')"))
+                                           f"'{_ID_REACH}')"))
     for table, column, parent, action in keys:
         name = f"{table}_{column}_fkey"
         for event in ("INSERT", "UPDATE"):
@@ -1033,7 +1039,7 @@ def _pg_id_tables():
 #: (``{"sqlite": lambda conn: _rebuild_table(conn, ...), "postgresql": "ALTER
 #: TABLE ..."}``).  All steps run in one transaction; then schema.sql runs
 #: again, so new tables and indexes need no step.
-MIGRATIONS = (
+_MIGRATIONS = (
     # Version 2: sign-ups, statuses 'unconfirmed' and 'complained', templates,
     # tracking, bounces and complaints, webhooks.  New tables come from
     # schema.sql; these are the changes to the tables version 1 has.
@@ -1168,7 +1174,7 @@ def init_db(db):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(f"{db}.intake{suffix}")
         with conn.schema_change():
-            _migrate(conn, script, SCHEMA_VERSION, MIGRATIONS)
+            _migrate(conn, script, SCHEMA_VERSION, _MIGRATIONS)
     finally:
         conn.close()
 
@@ -1220,7 +1226,7 @@ def _shift(moment_text, seconds):
 # never their status), each counted once on the importer.
 
 #: Rows read, checked and written per executemany (imports, retypes).
-CHUNK_ROWS = 5000
+_CHUNK_ROWS = 5000
 
 _ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -1495,7 +1501,7 @@ class _CopyStream:
             self.chunks.append(fresh)
             self.rows += len(fresh)
             importer.inserted += len(fresh)  # taken back if the segment is staged instead
-        if self.rows >= self.SEGMENT_ROWS or len(repeats) >= CHUNK_ROWS:
+        if self.rows >= self.SEGMENT_ROWS or len(repeats) >= _CHUNK_ROWS:
             self.end()
 
     def _begin(self):
@@ -1750,9 +1756,9 @@ def _mac(secret, purpose, message):
 # Opaque tokens: open, click, unsubscribe, confirm ----------------------------
 
 #: 96 bits of HMAC-SHA256: unforgeable by guessing, and a short link.
-TOKEN_MAC_BYTES = 12
+_TOKEN_MAC_BYTES = 12
 #: Longer text is refused unread (a token holds a few small numbers).
-TOKEN_MAX_CHARS = 200
+_TOKEN_MAX_CHARS = 200
 
 
 def _varints(numbers):
@@ -1801,7 +1807,7 @@ def sign_token(secret, purpose, *numbers):
     if purpose in _SECRET_KEYED:
         raise ValueError(f"{purpose!r} is not a purpose of opaque tokens")
     payload = _varints(numbers)
-    return _b64(payload + _mac(secret, purpose, payload)[:TOKEN_MAC_BYTES])
+    return _b64(payload + _mac(secret, purpose, payload)[:_TOKEN_MAC_BYTES])
 
 
 def read_token(secret, purpose, token):
@@ -1811,15 +1817,15 @@ def read_token(secret, purpose, token):
 
     :param token: the text from the URL.
     """
-    if not isinstance(token, str) or len(token) > TOKEN_MAX_CHARS or purpose in _SECRET_KEYED:
+    if not isinstance(token, str) or len(token) > _TOKEN_MAX_CHARS or purpose in _SECRET_KEYED:
         return None
     try:
         data = _unb64(token)
     except (ValueError, binascii.Error):
         return None
-    payload, mac = data[:-TOKEN_MAC_BYTES], data[-TOKEN_MAC_BYTES:]
-    if len(mac) != TOKEN_MAC_BYTES or not hmac.compare_digest(
-            mac, _mac(secret, purpose, payload)[:TOKEN_MAC_BYTES]):
+    payload, mac = data[:-_TOKEN_MAC_BYTES], data[-_TOKEN_MAC_BYTES:]
+    if len(mac) != _TOKEN_MAC_BYTES or not hmac.compare_digest(
+            mac, _mac(secret, purpose, payload)[:_TOKEN_MAC_BYTES]):
         return None
     return _parse_varints(payload)
 
@@ -1915,7 +1921,7 @@ def read_message_id(secret, value):
 
 # Erased addresses ------------------------------------------------------------
 
-def erasure_hash(secret, address):
+def _erasure_hash(secret, address):
     """The one-way form of an erased address: HMAC-SHA256 under the app
     secret of the address lower-cased, so the table alone names nobody."""
     return _mac(secret, "erasure", address.lower().encode("utf-8")).hex()
@@ -1992,7 +1998,7 @@ def _account_for(conn, email):
                         (address, _now())).lastrowid
 
 
-def issue_key(conn, account, levels=LEVELS, name="", expires=None):
+def _issue_key(conn, account, levels=LEVELS, name="", expires=None):
     """Store a new key for ``account`` and return ``(key id, secret)``."""
     levels = _parse_levels(levels)
     secret = "cak_" + secrets.token_urlsafe(32)
@@ -2017,7 +2023,7 @@ def create_key(db, email, levels=LEVELS, name="", expires=None):
     conn = connect(db)
     try:
         with transaction(conn):
-            _, secret = issue_key(conn, _account_for(conn, email), levels, name, expires)
+            _, secret = _issue_key(conn, _account_for(conn, email), levels, name, expires)
     finally:
         conn.close()
     return secret
@@ -2055,7 +2061,7 @@ def revoke_key(db, key_id):
 _key_epoch = 0
 
 
-def authenticate(conn, header):
+def _authenticate(conn, header):
     """The key row for an ``Authorization: Bearer`` header, or Unauthorized."""
     scheme, _, secret = (header or "").partition(" ")
     secret = secret.strip()
@@ -2069,7 +2075,7 @@ def authenticate(conn, header):
     return key
 
 
-def require_level(key, level):
+def _require_level(key, level):
     """Refuse with 403 unless ``key`` holds ``level``."""
     if level not in key["levels"].split(","):
         raise InsufficientAccess(f"This operation needs an API key with the '{level}' level.")
@@ -2111,8 +2117,8 @@ def _param_int(name, value):
 
 def _param_limit(name, value):
     number = _as_int(value)
-    if number is None or not 1 <= number <= PAGE_MAX:
-        raise InvalidParameter(f"'{name}' must be a whole number from 1 to {PAGE_MAX}.",
+    if number is None or not 1 <= number <= _PAGE_MAX:
+        raise InvalidParameter(f"'{name}' must be a whole number from 1 to {_PAGE_MAX}.",
                                field=name)
     return number
 
@@ -2176,12 +2182,12 @@ def _param_time(name, value):
     # reads it in the handler, which knows the time now.
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidParameter(f"'{name}' must be Unix seconds or a date-time text.", field=name)
-    parse_timestamp(value)
+    _parse_timestamp(value)
     return value
 
 
 #: Parameter types of the route table: name -> checker(name, value) -> value.
-PARAM_TYPES = {
+_PARAM_TYPES = {
     "str": lambda name, value: _param_str(name, value, False),
     "text": lambda name, value: _param_str(name, value, True),
     "int": _param_int,
@@ -2197,7 +2203,7 @@ PARAM_TYPES = {
 }
 
 
-class Param:
+class _Param:
     """One declared parameter of a route: ``name:type`` with ``!`` if required.
 
     ``name:type@kind`` declares that the value names a record of that kind
@@ -2220,7 +2226,7 @@ class Param:
             self.choices = self.type.split("|")
         else:
             self.choices = None
-            if self.type not in PARAM_TYPES:
+            if self.type not in _PARAM_TYPES:
                 raise ValueError(f"unknown parameter type in {spec!r}")
 
     def check(self, value):
@@ -2230,7 +2236,7 @@ class Param:
                     f"'{self.name}' must be one of: {', '.join(self.choices)}.",
                     field=self.name, allowed=self.choices)
             return value
-        return PARAM_TYPES[self.type](self.name, value)
+        return _PARAM_TYPES[self.type](self.name, value)
 
 
 #: Every record kind by name (each Resource enters itself; Resource.kinds is
@@ -2239,13 +2245,13 @@ class Param:
 _KINDS = {}
 
 #: Success data of a create: the new record's id.
-ANSWER_ID = {"type": "object", "required": ["id"],
+_ANSWER_ID = {"type": "object", "required": ["id"],
              "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"}}}
 #: Success data of a change or a delete.
-ANSWER_DONE = {"type": "boolean", "description": "true: done"}
+_ANSWER_DONE = {"type": "boolean", "description": "true: done"}
 
 
-def records_answer(key, kind):
+def _records_answer(key, kind):
     """Success data that lists records of ``kind`` under ``key`` for one id as
     for ``all`` (as the original service's ``emt_campaign``); pages add total, limit, offset."""
     return {"type": "object", "required": [key], "properties": {
@@ -2303,15 +2309,15 @@ class Route:
         if params is None:
             params = self.kind.params(handler.__name__) if self.kind else ""
         if answers is None and self.kind:
-            one = records_answer if self.kind.one_as_list else lambda *pair: pair
-            answers = {"get": one(self.kind.answer, self.kind.schema), "create": ANSWER_ID}.get(
-                handler.__name__, ANSWER_DONE)
+            one = _records_answer if self.kind.one_as_list else lambda *pair: pair
+            answers = {"get": one(self.kind.answer, self.kind.schema), "create": _ANSWER_ID}.get(
+                handler.__name__, _ANSWER_DONE)
         # For the OpenAPI document only: a one-line title, and what ``data``
         # holds on success (see openapi_document()).
         self.summary, self.answers = summary, answers
         # JSON Schema keywords that tie body parameters together (if/then).
         self.body_rules = body_rules or {}
-        self.params = {p.name: p for p in map(Param, params.split())}
+        self.params = {p.name: p for p in map(_Param, params.split())}
         for param in self.params.values():   # a kind the account owns, not a child kind
             if param.refers and _KINDS[param.refers].parent is not None:
                 raise ValueError(f"{param.name} names a {param.refers}, which is no owned kind")
@@ -2406,7 +2412,7 @@ _HOST_NAME = r"[a-z0-9.-]+|\[[a-f0-9]*:[a-f0-9.:]+\]"
 _REQUEST_HOST = re.compile(rf"({_HOST_NAME})(?::[0-9]{{1,5}})?")
 #: What an empty allowed_hosts allows: this machine's own names (Django's
 #: list when DEBUG is on), so that an app in development builds its links.
-LOCAL_HOSTS = (".localhost", "127.0.0.1", "[::1]")
+_LOCAL_HOSTS = (".localhost", "127.0.0.1", "[::1]")
 
 
 def _checked_hosts(value):
@@ -2429,7 +2435,7 @@ def _host_allowed(name, patterns):
         name.endswith(pattern) or name == pattern[1:])) for pattern in patterns)
 
 
-def link_base(environ, config, prefix=""):
+def _link_base(environ, config, prefix=""):
     """The root URL (without ``/v1``) of the links this API puts in emails and
     pages: the ``public_url`` setting; without one, the request's scheme and
     host (X-Forwarded-Proto and X-Forwarded-Host first, as a proxy in front
@@ -2451,7 +2457,7 @@ def link_base(environ, config, prefix=""):
     host = host.strip().lower()
     found = _REQUEST_HOST.fullmatch(host)
     if scheme not in ("http", "https") or found is None or not _host_allowed(
-            found[1], config["allowed_hosts"] or LOCAL_HOSTS):
+            found[1], config["allowed_hosts"] or _LOCAL_HOSTS):
         raise InvalidHost(
             f"This server builds no links for {scheme[:20]}://{host[:100]}: the operator "
             "names the hosts links may use in the allowed_hosts setting, or sets public_url.")
@@ -2460,7 +2466,7 @@ def link_base(environ, config, prefix=""):
     return f"{scheme}://{host}" + (f"/{root}" if root else "")
 
 
-class Call:
+class _Call:
     """What a handler gets: the connection, the caller's account, the
     parameters given (already checked), the parent record of a child route,
     and the app's settings.  ``memo`` keeps what a request reads once."""
@@ -2545,7 +2551,7 @@ _PIECE = 1 << 20
 #: instead of every 5: a public write waits for the GIL at each of its
 #: statements, and behind the import's Python work each wait was a full
 #: interval (during a 1M-row import on PostgreSQL, p50 335 -> 64 ms).
-IMPORT_SWITCH_INTERVAL = 0.0005
+_IMPORT_SWITCH_INTERVAL = 0.0005
 _turns = {"running": 0, "saved": None}
 _turns_lock = threading.Lock()
 
@@ -2557,7 +2563,7 @@ def _short_turns():
     with _turns_lock:
         if not _turns["running"]:
             _turns["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_turns["saved"], IMPORT_SWITCH_INTERVAL))
+            sys.setswitchinterval(min(_turns["saved"], _IMPORT_SWITCH_INTERVAL))
         _turns["running"] += 1
     try:
         yield
@@ -2652,7 +2658,7 @@ def _parse_params(route, environ, limit):
 
 def _page(call):
     """``(limit, offset)`` of a listing, checked."""
-    return call.get("limit", PAGE_DEFAULT), call.get("offset", 0)
+    return call.get("limit", _PAGE_DEFAULT), call.get("offset", 0)
 
 
 
@@ -2746,7 +2752,7 @@ def _new_response_id():
     return f"{_response_ids.getrandbits(128):032x}"
 
 
-class Service:
+class _Service:
     """The state of one app: its database, settings and per-thread connections."""
 
     def __init__(self, db, config):
@@ -2773,7 +2779,7 @@ class Service:
             if until > time.monotonic() and epoch == _key_epoch \
                     and not (key["expires"] and key["expires"] < _now()):
                 return key
-        key = authenticate(conn, header)
+        key = _authenticate(conn, header)
         if self.config["key_cache_seconds"] > 0:
             if len(self._keys) > 10000:  # bounded: a burst of keys cannot grow it
                 self._keys.clear()
@@ -2796,7 +2802,7 @@ class Service:
 
     def link_base(self):
         """link_base() of the request being answered, under this app's mount prefix."""
-        return link_base(bottle.request.environ, self.config,
+        return _link_base(bottle.request.environ, self.config,
                          self.app.config.get("_mount.prefix", "") or "")
 
     def root(self):
@@ -2818,11 +2824,11 @@ class Service:
             account = None
             if route.level:
                 key = self.key(conn, _request_header("Authorization"))
-                require_level(key, route.level)
+                _require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
             params = _parse_params(route, request.environ, self.config["max_body"])
-            call = Call(conn, account, params, self, response_id)
+            call = _Call(conn, account, params, self, response_id)
             if route.later:
                 outcome = route.run(call, ids)
                 self.intake.take(call)
@@ -2832,14 +2838,14 @@ class Service:
             else:
                 outcome = route.run(call, ids)
             if call.memo.get("events") and self.config["on_event"]:
-                run_callbacks(self.config["on_event"], call.memo["events"])
+                _run_callbacks(self.config["on_event"], call.memo["events"])
         except ApiError as error:
             outcome = error
         except INTEGRITY_ERRORS:
             outcome = Conflict("The change conflicts with existing data (a duplicate or a "
                                "missing reference).")
         except Exception:
-            log.exception("internal error, responseId %s", response_id)
+            _log.exception("internal error, responseId %s", response_id)
             outcome = _internal_error(response_id)
         return self.finish(response_id, started, outcome, raw_ids)
 
@@ -2857,8 +2863,8 @@ class Service:
                               outcome.headers)
         else:
             status, answer = 200, _respond(200, _envelope(response_id, True, outcome))
-        if log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
-            log.info("%s %s %s %s %.1fms", response_id, request.method,
+        if _log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
+            _log.info("%s %s %s %s %.1fms", response_id, request.method,
                      _loggable_path(request.path, raw_ids or {}), status,
                      (time.perf_counter() - started) * 1000)
         return answer
@@ -2891,7 +2897,7 @@ class Service:
         elif error.status_code == 413:
             outcome = PayloadTooLarge("The request body is too large.")
         elif error.status_code >= 500:
-            log.error("internal error, responseId %s: %s", response_id,
+            _log.error("internal error, responseId %s: %s", response_id,
                       error.traceback or error.body)
             outcome = _internal_error(response_id)
         else:
@@ -2904,7 +2910,7 @@ def _internal_error(response_id):
                     "reporting it.")
 
 
-def parse_timestamp(value, now=None):
+def _parse_timestamp(value, now=None):
     """A send time as UTC 'YYYY-MM-DD HH:MM:SS': Unix seconds, 'YYYY-MM-DD
     HH:MM:SS' (UTC) or ISO 8601 (with an offset; without one it is UTC).  A
     time in the past means now."""
@@ -2927,18 +2933,18 @@ def parse_timestamp(value, now=None):
     return max(stamp, now)
 
 
-def run_callbacks(on_event, pending):
+def _run_callbacks(on_event, pending):
     """Hand committed events to the embedding application's callback; an
     exception there is logged and changes nothing."""
     for kind, payload in pending:
         try:
             on_event(kind, payload)
         except Exception:
-            log.exception("the on_event callback failed for %s", kind)
+            _log.exception("the on_event callback failed for %s", kind)
     pending.clear()
 
 
-def server_address(text, what):
+def _server_address(text, what):
     """``(host, port)`` of ``"host:port"`` ("[::1]:25" for IPv6); ``what`` names it in errors."""
     host, _, port = (text or "").rpartition(":")
     if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
@@ -2962,9 +2968,9 @@ def server_address(text, what):
 # before it.
 
 #: How long a public write waits for its locks before it is kept for later (ms).
-PUBLIC_WAIT = 50
+_PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
-INTAKE_CHUNK = 500
+_INTAKE_CHUNK = 500
 
 
 class _Intake:
@@ -2976,7 +2982,7 @@ class _Intake:
         self.service, self.lock, self.thread = service, threading.Lock(), None
         self.backlog = None   # whether any are kept; None: not looked yet
         # Where they are kept: the engine's place (_SqliteIntake).
-        self.store = _connection_class(service.db).intake(service.db, service.conn, PUBLIC_WAIT)
+        self.store = _connection_class(service.db).intake(service.db, service.conn, _PUBLIC_WAIT)
         # Threads of the app take turns at writing here rather than in the
         # database's busy wait, and the one whose turn it is commits what the
         # others brought meanwhile too (group commit): one transaction for
@@ -3030,7 +3036,7 @@ class _Intake:
                 call.memo.pop("events", None)   # rolled back: raised by no one
             done = not _transient(error)
             if done:   # one write alone, failing: logged and left out, as in _apply_later
-                log.exception("a %s could not be applied and is left out: %s",
+                _log.exception("a %s could not be applied and is left out: %s",
                               turn[0][1][0][0], _to_json(turn[0][1][0][1]))
         for entry in turn:
             entry[2] = done
@@ -3046,17 +3052,17 @@ class _Intake:
         """Whether any writes are kept."""
         return self.store.kept()
 
-    def drain(self, limit=INTAKE_CHUNK):
+    def drain(self, limit=_INTAKE_CHUNK):
         """Apply up to ``limit`` kept writes, the oldest first, in one
         transaction; waits for the lock as any writer does.
 
         :returns: how many were taken off the intake.
         """
         conn = self.service.conn()
-        call = Call(conn, None, {}, self.service, "intake")
+        call = _Call(conn, None, {}, self.service, "intake")
         taken = self.store.drain(conn, limit, lambda items: _apply_later(call, items))
         if call.memo.get("events") and self.service.config["on_event"]:
-            run_callbacks(self.service.config["on_event"], call.memo["events"])
+            _run_callbacks(self.service.config["on_event"], call.memo["events"])
         return taken
 
     def _keep(self, conn, items):
@@ -3084,9 +3090,9 @@ class _Intake:
                 time.sleep(0.1)   # another host drains (PostgreSQL)
             except Exception as error:   # locked past the busy timeout, a lost connection
                 failures += 1
-                log.warning("kept public writes not applied yet: %s", error)
+                _log.warning("kept public writes not applied yet: %s", error)
                 time.sleep(min(0.1 * 2 ** failures, 5.0))
-        log.error("kept public writes: giving up for now; the next public write retries")
+        _log.error("kept public writes: giving up for now; the next public write retries")
 
 
 def _transient(error):
@@ -3115,7 +3121,7 @@ def _apply_later(call, items, apart=True):
             del call.memo["events"][raised:]   # rolled back: raised by no one
             if _transient(error):
                 raise
-            log.exception("a kept %s could not be applied and is left out: %s", kind,
+            _log.exception("a kept %s could not be applied and is left out: %s", kind,
                           _to_json(payload))
 
 
@@ -3154,22 +3160,22 @@ class _ClientLimit:
 _MERGE_TAG = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 
 
-def merge_tags(template):
+def _merge_tags(template):
     """The names of the merge tags in ``template``, lower-cased."""
     return {name.lower() for name in _MERGE_TAG.findall(template or "")}
 
 
 # Templates: checks, wrapping, template files -----------------------------------
 
-CONTENT_TAG = "content"
+_CONTENT_TAG = "content"
 
 
 def _content_tags(body):
     return [match for match in _MERGE_TAG.finditer(body or "")
-            if match.group(1).lower() == CONTENT_TAG]
+            if match.group(1).lower() == _CONTENT_TAG]
 
 
-def check_template(html_body, text_body):
+def _check_template(html_body, text_body):
     """Raise ValueError (a sentence for the author) unless each given body of
     a template holds ``{{content}}`` exactly once.
 
@@ -3186,7 +3192,7 @@ def check_template(html_body, text_body):
                     f"message goes; it {found}.")
 
 
-def wrap_in_template(template_html, template_text, message_html, message_text):
+def _wrap_in_template(template_html, template_text, message_html, message_text):
     """The message's bodies inside the template, at its ``{{content}}``.
 
     A body exists where the message has it (the template is its layout); a
@@ -3196,7 +3202,7 @@ def wrap_in_template(template_html, template_text, message_html, message_text):
     :param template_html: the template's html ('' or None: none); checked
         with check_template().
     """
-    check_template(template_html, template_text)
+    _check_template(template_html, template_text)
 
     def wrap(template, content):
         if not content or not template:
@@ -3207,7 +3213,7 @@ def wrap_in_template(template_html, template_text, message_html, message_text):
     return wrap(template_html, message_html), wrap(template_text, message_text)
 
 
-class TemplateUnusable(Exception):
+class _TemplateUnusable(Exception):
     """A campaign's defaulttemplate cannot wrap its messages: ``str()`` says
     why and how to fix it; ``check`` names verify's check that reports it."""
 
@@ -3220,7 +3226,7 @@ class TemplateUnusable(Exception):
 #: class, shared with the OpenAPI document): control characters, line and
 #: paragraph separators, and the bidirectional controls that make a name read
 #: otherwise than it is.
-TEMPLATE_NAME_REFUSED = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_TEMPLATE_NAME_REFUSED = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
 
 
 def _template_file(templates_dir, name, suffix):
@@ -3239,7 +3245,7 @@ def _template_file(templates_dir, name, suffix):
     else:
         bare = name
     if not name or ".." in bare or any(sep in name for sep in separators) \
-            or re.search(f"[{TEMPLATE_NAME_REFUSED}]", name):
+            or re.search(f"[{_TEMPLATE_NAME_REFUSED}]", name):
         raise ValueError(f"'{name}' is not a template file name: give NAME of a file NAME.html "
                          "in the templates folder, without a path, '..' or control characters.")
     folder = os.path.realpath(templates_dir)
@@ -3256,7 +3262,7 @@ def _fetch_template_file(templates_dir, name):
     try:
         paths = [_template_file(templates_dir, name, suffix) for suffix in (".html", ".txt")]
     except ValueError as error:
-        raise TemplateUnusable(str(error)) from None
+        raise _TemplateUnusable(str(error)) from None
     bodies = []
     for path, required in zip(paths, (True, False)):
         try:
@@ -3264,7 +3270,7 @@ def _fetch_template_file(templates_dir, name):
                 bodies.append(f.read())
         except FileNotFoundError:
             if required:
-                raise TemplateUnusable(
+                raise _TemplateUnusable(
                     f"The template file {os.path.basename(path)} does not exist in the templates "
                     "folder: add it, or point the campaign's defaulttemplate at another "
                     "template.") from None
@@ -3272,12 +3278,12 @@ def _fetch_template_file(templates_dir, name):
         except (OSError, UnicodeDecodeError) as error:
             reason = "it is not UTF-8 text" if isinstance(error, UnicodeDecodeError) else (
                 error.strerror or str(error))
-            raise TemplateUnusable(f"The template file {os.path.basename(path)} cannot be read "
+            raise _TemplateUnusable(f"The template file {os.path.basename(path)} cannot be read "
                                    f"({reason}): fix the file.") from None
     return tuple(bodies)
 
 
-def campaign_template(conn, account, defaulttemplate, templates_dir):
+def _campaign_template(conn, account, defaulttemplate, templates_dir):
     """The bodies ``(html, text)`` that wrap a campaign's messages, or None
     when it has no template; TemplateUnusable when it cannot be used.
 
@@ -3292,20 +3298,20 @@ def campaign_template(conn, account, defaulttemplate, templates_dir):
                            (_as_int(value), account)).fetchone()
         fix = "create it with PUT /v1/template/{} or point the campaign at another template"
         if row is None:
-            raise TemplateUnusable(f"Template {value} does not exist: " + fix.format(value) + ".")
+            raise _TemplateUnusable(f"Template {value} does not exist: " + fix.format(value) + ".")
         if row["deleted"]:
-            raise TemplateUnusable(f"Template {value} is deleted: point the campaign's "
+            raise _TemplateUnusable(f"Template {value} is deleted: point the campaign's "
                                    "defaulttemplate at another template, or clear it with ''.")
         where, bodies = f"template {value}", (row["html"], row["text"])
     else:
         where, bodies = f"the template file '{value}'", _fetch_template_file(templates_dir, value)
     if not any(body.strip() for body in bodies):
-        raise TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
+        raise _TemplateUnusable(f"{where.capitalize()} has no body: it needs html or text with "
                                "{{content}}.", "template_content")
     try:
-        check_template(*bodies)
+        _check_template(*bodies)
     except ValueError as error:
-        raise TemplateUnusable(f"{where.capitalize()}: {error}", "template_content") from None
+        raise _TemplateUnusable(f"{where.capitalize()}: {error}", "template_content") from None
     return bodies
 
 
@@ -3340,7 +3346,7 @@ def _param_defaulttemplate(call, value):
 
 # CSS inlining ----------------------------------------------------------------
 
-def inline_css(html_text):
+def _inline_css(html_text):
     """The html with the rules of its ``<style>`` blocks moved into style
     attributes (mail clients drop ``<style>``), once per message.
 
@@ -3357,13 +3363,13 @@ def inline_css(html_text):
     try:
         import css_inline
     except ImportError:
-        log.warning("css-inline is not installed (pip install css-inline); <style> blocks "
+        _log.warning("css-inline is not installed (pip install css-inline); <style> blocks "
                     "are sent as they are")
         return html_text
     try:
         return _css_inliner(css_inline).inline(html_text)
     except Exception as error:  # noqa: BLE001 - any failure: send the html as written
-        log.warning("CSS could not be inlined (%s); the html is sent as written", error)
+        _log.warning("CSS could not be inlined (%s); the html is sent as written", error)
         return html_text
 
 
@@ -3377,12 +3383,12 @@ def _css_inliner(css_inline):
 
 #: The merge tags track_html() puts in a message: the open image's URL and
 #: each tracked link's URL, filled per recipient by tracking_values().
-OPEN_URL_TAG = "open_url"
-CLICK_URL_TAG = "click_url_{}"
+_OPEN_URL_TAG = "open_url"
+_CLICK_URL_TAG = "click_url_{}"
 _PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
           'style="display:block;width:1px;height:1px;border:0;margin:0;padding:0">')
 #: A transparent 1x1 GIF89a (43 bytes), the answer of the open URL.
-GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
+_GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
              b"!\xf9\x04\x01\x00\x00\x00\x00"
              b",\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;")
 # The parser's own patterns for a start tag's name and attributes (with a
@@ -3446,7 +3452,7 @@ def _trackable(url):
     the host would let a recipient's data (a sign-up form is public) choose
     where our click URL redirects."""
     url = _URL_SPACE.sub("", url.strip(" \t\n\r\f"))
-    if "unsubscribe_url" in merge_tags(url):
+    if "unsubscribe_url" in _merge_tags(url):
         return None
     match = _URL_AUTHORITY.match(url)
     if match is None or not match.group(1) or "{" in match.group(1) or "}" in match.group(1):
@@ -3454,7 +3460,7 @@ def _trackable(url):
     return url
 
 
-def track_html(html_template):
+def _track_html(html_template):
     """Prepare a message's html for open and click tracking, once per batch.
 
     Every ``<a href>`` holding an http(s) URL gets the merge tag
@@ -3479,7 +3485,7 @@ def track_html(html_template):
         end -= len(finder.rawdata)
         finder.close()
     except Exception:  # noqa: BLE001 - a parser bug must not stop a send
-        log.warning("html of a message could not be parsed for tracking; the links "
+        _log.warning("html of a message could not be parsed for tracking; the links "
                     "found before the error are tracked", exc_info=True)
     line_starts = [0] + [match.end() for match in re.finditer("\n", source)]
 
@@ -3494,7 +3500,7 @@ def track_html(html_template):
         span = _href_span(tag_source, attrs) if url else None
         if span is None or source[start:start + len(tag_source)] != tag_source:
             continue
-        tag = "{{" + CLICK_URL_TAG.format(len(links)) + "}}"
+        tag = "{{" + _CLICK_URL_TAG.format(len(links)) + "}}"
         edits.append((start + span[0], start + span[1], f'"{tag}"'))
         links.append(url)
     if finder.body_end:
@@ -3508,7 +3514,7 @@ def track_html(html_template):
     return "".join(out), links
 
 
-def tracking_values(secret, base, email_id, link_count):
+def _tracking_values(secret, base, email_id, link_count):
     """The per-recipient values of the tags track_html() adds.
 
     :param base: where the API is reachable (public_url or the batch's base_url).
@@ -3516,14 +3522,14 @@ def tracking_values(secret, base, email_id, link_count):
     :param link_count: ``len(links)`` of track_html().
     """
     base = base.rstrip("/")
-    values = {OPEN_URL_TAG: f"{base}/v1/open/{sign_token(secret, 'open', email_id)}"}
+    values = {_OPEN_URL_TAG: f"{base}/v1/open/{sign_token(secret, 'open', email_id)}"}
     for index in range(link_count):
-        values[CLICK_URL_TAG.format(index)] = (
+        values[_CLICK_URL_TAG.format(index)] = (
             f"{base}/v1/click/{sign_token(secret, 'click', email_id, index)}")
     return values
 
 
-def click_target(url, values):
+def _click_target(url, values):
     """Where a click goes: a stored link (of track_html()) with the clicking
     recipient's merge values, as the browser would have read the untracked
     link (values as they are; spaces, quotes and non-ASCII percent-encoded),
@@ -3538,7 +3544,7 @@ def click_target(url, values):
 
 # Unsubscribe links -----------------------------------------------------------
 
-def unsubscribe_url(secret, base, account, address, campaign=None):
+def _unsubscribe_url(secret, base, account, address, campaign=None):
     """The one-click unsubscribe link of ``address`` for the account's mail.
 
     :param base: where the API is reachable (public_url or a batch's base_url).
@@ -3546,7 +3552,7 @@ def unsubscribe_url(secret, base, account, address, campaign=None):
     return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
 
 
-def email_unsubscribe_url(secret, base, campaign, recipient):
+def _email_unsubscribe_url(secret, base, campaign, recipient):
     """The one-click unsubscribe link of a campaign's emails to one recipient:
     opaque, it names the campaign and the recipient row (the address, the
     account and the email that carried it are looked up), and it is the same
@@ -3627,7 +3633,7 @@ class _Literal(_Template):
         self.texts, self.names = [text], []
 
 
-class Letter:
+class _Letter:
     """One kind of email (a sender and a message's templates), ready to be
     built for each recipient with build()."""
 
@@ -3636,7 +3642,7 @@ class Letter:
         """:param templated: fill merge tags from the values given to build()."""
         self.sender = sender
         self.domain = sender.rpartition("@")[2] or "localhost"
-        self.subject = _Template(subject) if templated and merge_tags(subject) else None
+        self.subject = _Template(subject) if templated and _merge_tags(subject) else None
         head = [_address_header("From", from_name, sender)]
         if reply_to:
             head.append(_address_header("Reply-To", "", reply_to))
@@ -3685,7 +3691,7 @@ class Letter:
                 + b'"\r\n\r\n' + body)
 
 
-def campaign_sender(conn, campaign, message):
+def _campaign_sender(conn, campaign, message):
     """``{"fromname", "fromaddress", "replyto"}`` of a campaign message: the
     message's own values where set, else the campaign's sender profile's.
 
@@ -3700,7 +3706,7 @@ def campaign_sender(conn, campaign, message):
             for name in ("fromname", "fromaddress", "replyto")}
 
 
-def message_letter(conn, campaign, message, sent, base, mail_from):
+def _message_letter(conn, campaign, message, sent, base, mail_from):
     """The Letter of one campaign message, as delivery, preview and test
     sends all build it.
 
@@ -3711,7 +3717,7 @@ def message_letter(conn, campaign, message, sent, base, mail_from):
     :param base: where the API is reachable, for unsubscribe links ('' none).
     :param mail_from: the sender when neither message nor profile has one.
     """
-    return _campaign_letter(campaign_sender(conn, campaign, message), sent, campaign["id"],
+    return _campaign_letter(_campaign_sender(conn, campaign, message), sent, campaign["id"],
                             campaign["owner"], base, mail_from)
 
 
@@ -3719,7 +3725,7 @@ def _campaign_letter(sender, sent, campaign, account, base, mail_from):
     """The Letter of a campaign's prepared message ``sent`` as ``sender``
     (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
     campaign's List-Id, its unsubscribe links pointing at ``base``."""
-    letter = Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
+    letter = _Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
                     sent["html"], from_name=sender["fromname"] or "",
                     reply_to=sender["replyto"] or "",
                     list_id=f"<campaign-{campaign}.{account}.campaignapi>")
@@ -3728,7 +3734,7 @@ def _campaign_letter(sender, sent, campaign, account, base, mail_from):
     return letter
 
 
-def recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
+def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
     """``(sender, email bytes)`` of a campaign Letter for one recipient: the
     merge ``values`` with the unsubscribe link.
 
@@ -3738,16 +3744,16 @@ def recipient_email(letter, secret, to_addr, values, recipient=None, message_id=
     """
     link = None
     if letter.base and recipient is not None:
-        link = email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
+        link = _email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
     elif letter.base:
-        link = unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
+        link = _unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
     values["unsubscribe_url"] = link or ""
     return letter.sender, letter.build(to_addr, values, link, message_id)
 
 
 # Preparing a campaign message ---------------------------------------------------
 
-def prepare_message(message, template):
+def _prepare_message(message, template):
     """A message as every recipient of a batch gets it, before their merge
     values: ``{"subject", "html", "text"}``, the bodies inside the template
     (see wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
@@ -3757,8 +3763,8 @@ def prepare_message(message, template):
     """
     html_body, text_body = message["html"], message["text"]
     if template:
-        html_body, text_body = wrap_in_template(*template, html_body, text_body)
-    return {"subject": message["subject"], "html": inline_css(html_body), "text": text_body}
+        html_body, text_body = _wrap_in_template(*template, html_body, text_body)
+    return {"subject": message["subject"], "html": _inline_css(html_body), "text": text_body}
 
 
 # The outbox ------------------------------------------------------------------
@@ -3832,12 +3838,12 @@ def enqueue_email(conn, account, to_addr, subject, body, kind="notification", ht
                    sender=sender)
 
 
-def account_email(conn, account):
+def _account_email(conn, account):
     """The account holder's address, where notifications go."""
     return conn.execute("SELECT email FROM account WHERE id = ?", (account,)).fetchone()["email"]
 
 
-def default_mail_from():
+def _default_mail_from():
     """The sender of notifications and archive copies unless one is configured."""
     return f"campaignapi@{socket.gethostname() or 'localhost'}"
 
@@ -3930,7 +3936,7 @@ def emit(conn, account, kind, data, pending=None):
 #: Why an address is suppressed, weakest first: a stronger reason replaces a
 #: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
 #: never the other way round.  Each also names its statistics event.
-SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
+_SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
 _RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
 
 
@@ -3954,7 +3960,7 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
         "campaign = excluded.campaign, created = excluded.created "
         f"WHERE {_RANK.format('excluded.reason')} > {_RANK.format('suppression.reason')}",
         (account, address, reason, campaign, now)).rowcount
-    weaker = list(SUPPRESSIONS)[:list(SUPPRESSIONS).index(reason)]
+    weaker = list(_SUPPRESSIONS)[:list(_SUPPRESSIONS).index(reason)]
     marks = ", ".join("?" for _ in weaker)
     conn.execute(
         "UPDATE recipient SET status = ?, updated = ? WHERE email = ? "
@@ -3965,7 +3971,7 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
         return False
     conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (account, SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
+                 (account, _SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
     emit(conn, account, f"recipient.{reason}",
          {"email": address, "campaign": campaign and str(campaign),
           "batch": batch and str(batch)}, pending)
@@ -3976,13 +3982,13 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
 
 #: The kinds of report apply_bounce() takes: classify_bounce() answers one of
 #: them in "type", the provider callbacks map their events to them.
-BOUNCE_TYPES = ("hard", "soft", "complaint", "none")
+_BOUNCE_TYPES = ("hard", "soft", "complaint", "none")
 #: A soft bounce suppresses the address when the latest this many emails the
 #: account sent to it all soft-bounced.
-SOFT_BOUNCE_LIMIT = 3
+_SOFT_BOUNCE_LIMIT = 3
 #: A report known only by its address applies to the accounts that mailed
 #: that address within this many days.
-BOUNCE_WINDOW_DAYS = 30
+_BOUNCE_WINDOW_DAYS = 30
 
 
 def _bounce_targets(conn, report, account, secret):
@@ -4000,7 +4006,7 @@ def _bounce_targets(conn, report, account, secret):
         return []
     if account is not None:
         return [(account, address, _latest_email(conn, account, address, report.get("campaign")))]
-    since = _shift(_now(), -BOUNCE_WINDOW_DAYS * 86400)
+    since = _shift(_now(), -_BOUNCE_WINDOW_DAYS * 86400)
     accounts = [row[0] for row in conn.execute(
         "SELECT DISTINCT account FROM outbox WHERE to_addr = ? AND created >= ? ORDER BY account",
         (address, since))]
@@ -4027,7 +4033,7 @@ def _soft_bounce_run(conn, account, address):
         "SELECT soft FROM (SELECT o.id, o.status, EXISTS (SELECT 1 FROM event e "
         "WHERE e.outbox = o.id AND e.kind = 'softbounce') AS soft FROM outbox o "
         "WHERE o.account = ? AND o.to_addr = ?) AS emails WHERE status = 'sent' OR soft "
-        "ORDER BY id DESC LIMIT ?", (account, address, SOFT_BOUNCE_LIMIT)).fetchall()
+        "ORDER BY id DESC LIMIT ?", (account, address, _SOFT_BOUNCE_LIMIT)).fetchall()
     run = 0
     for (soft,) in emails:
         if not soft:
@@ -4045,7 +4051,7 @@ def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
             "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (account, campaign, batch, outbox, address, _now())).rowcount:
         return   # a second report of the same email (event_softbounce_once)
-    if _soft_bounce_run(conn, account, address) >= SOFT_BOUNCE_LIMIT:
+    if _soft_bounce_run(conn, account, address) >= _SOFT_BOUNCE_LIMIT:
         suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
                  pending=pending)
 
@@ -4076,7 +4082,7 @@ def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
         the first account it applied to; type 'none' changes nothing.
     """
     kind = report.get("type")
-    answer = {"type": kind if kind in BOUNCE_TYPES else "none",
+    answer = {"type": kind if kind in _BOUNCE_TYPES else "none",
               "email": _normalize_email(report.get("email")), "campaign": None, "batch": None}
     if answer["type"] == "none":
         return answer
@@ -4102,7 +4108,7 @@ def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
 # Record kinds: each kind is a declaration; the generic operations serve it.
 # ---------------------------------------------------------------------------
 
-def insert_record(conn, table, record_id, values):
+def _insert_record(conn, table, record_id, values):
     """Insert a row at ``record_id`` (0: the next id) and return its id.
 
     A positive free id is taken as given, so a client can retry a create;
@@ -4127,7 +4133,7 @@ def insert_record(conn, table, record_id, values):
                    else "The next ids were all taken meanwhile; try again.")
 
 
-def update_record(conn, table, record_id, values):
+def _update_record(conn, table, record_id, values):
     """Set ``values`` (column -> value) on row ``record_id``; nothing if empty."""
     if values:
         assignments = ", ".join(f"{column} = ?" for column in values)
@@ -4343,7 +4349,7 @@ class Resource:
         if self.stamped:
             values["created"] = _now()
         values.update(self.values(call, None))
-        new_id = insert_record(call.conn, self.table, id, values)
+        new_id = _insert_record(call.conn, self.table, id, values)
         answer = {"id": str(new_id)}
         if self.after_create:
             answer.update(self.after_create(call, new_id) or {})
@@ -4351,7 +4357,7 @@ class Resource:
 
     def change(self, call, id):
         row = self._find_one(call, id, "change")
-        update_record(call.conn, self.table, row["id"], self.values(call, row))
+        _update_record(call.conn, self.table, row["id"], self.values(call, row))
         if self.after_change:
             self.after_change(call, row["id"])
         return True
@@ -4436,7 +4442,7 @@ def _datasource_values(call, row):
     if values.get("confirmmessage") is not None:
         record = MESSAGE.find(call.conn, call.account, values["confirmmessage"])
         bodies = [record[body] for body in ("html", "text") if record[body].strip()]
-        if not bodies or any("confirm_url" not in merge_tags(body) for body in bodies):
+        if not bodies or any("confirm_url" not in _merge_tags(body) for body in bodies):
             raise Conflict(
                 f"Message {values['confirmmessage']} cannot be the confirmation email: each of "
                 "its bodies must carry the merge tag {{confirm_url}}.", field="confirmmessage")
@@ -4456,7 +4462,7 @@ def _checked_fields(fields):
                                    field="fields")
         name = item["name"]
         kind = item.get("type", "text")
-        if not valid_field_name(name):
+        if not _valid_field_name(name):
             raise InvalidParameter(f"fields[{index}].name must be a non-empty single-line name "
                                    "without braces.", field="fields")
         if kind not in FIELD_TYPES:
@@ -4470,7 +4476,7 @@ def _checked_fields(fields):
     return list(checked.values())
 
 
-def valid_field_name(name):
+def _valid_field_name(name):
     """A field name is one non-empty line without braces (they mark merge tags)."""
     return isinstance(name, str) and bool(name.strip()) and len(name) <= 200 \
         and not any(c in name for c in "\r\n\x00{}")
@@ -4535,7 +4541,7 @@ _DATETIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M",
 _TRUE, _FALSE = {"1", "true", "yes", "y", "t", "on"}, {"0", "false", "no", "n", "f", "off"}
 
 
-def convert_value(kind, value):
+def _convert_value(kind, value):
     """A field value as stored for a field of type ``kind`` (ValueError if it
     cannot be).  Empty stays None, so a blank cell never fails a type."""
     if value is None:
@@ -4590,7 +4596,7 @@ def convert_value(kind, value):
     raise ValueError(f"unknown field type {kind}")
 
 
-def display_value(value):
+def _display_value(value):
     """A stored field value as the API answers it (and merge tags insert it)."""
     if value is None:
         return ""
@@ -4599,19 +4605,19 @@ def display_value(value):
     return str(value)
 
 
-def datasource_fields(conn, datasource):
+def _datasource_fields(conn, datasource):
     """``{lower-case name: (field id, name, type)}`` of one datasource."""
     return {row["name"].lower(): (row["id"], row["name"], row["type"]) for row in conn.execute(
         "SELECT id, name, type FROM field WHERE datasource = ?", (datasource,))}
 
 
-def recipient_values(fields, row):
+def _recipient_values(fields, row):
     """``{field name: display string}`` of a recipient row, email included.
 
     :param fields: the datasource's fields, as datasource_fields() gives them.
     """
     data = json.loads(row["data"])
-    values = {name: display_value(data.get(str(field_id)))
+    values = {name: _display_value(data.get(str(field_id)))
               for field_id, name, _ in fields.values()}
     values["email"] = row["email"]
     return values
@@ -4622,9 +4628,9 @@ def recipient_values(fields, row):
 # ---------------------------------------------------------------------------
 
 #: How many failing rows an import record or a 422 answer lists.
-ROWS_REPORTED = 100
+_ROWS_REPORTED = 100
 #: How long an export's download link works.
-EXPORT_LIFETIME = datetime.timedelta(days=7)
+_EXPORT_LIFETIME = datetime.timedelta(days=7)
 #: Header names of the email column, compared without case, spaces, '-' or '_'.
 _EMAIL_COLUMNS = {"email", "emailaddress"}
 
@@ -4635,7 +4641,7 @@ def _request_fields(call):
     """The fields of the request's datasource (``call.parent``), read once per request."""
     fields = call.memo.get("fields")
     if fields is None:
-        fields = call.memo["fields"] = datasource_fields(call.conn, call.parent["id"])
+        fields = call.memo["fields"] = _datasource_fields(call.conn, call.parent["id"])
     return fields
 
 
@@ -4644,14 +4650,14 @@ def _recipient_record(call, row):
     values = {}
     for field_id, name, _ in _request_fields(call).values():
         value = data.get(str(field_id))
-        values[name] = None if value is None else display_value(value)
+        values[name] = None if value is None else _display_value(value)
     values["email"] = row["email"]
     return {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"],
             "fields": values, "status": row["status"], "created": row["created"],
             "updated": row["updated"]}
 
 
-def blocked_status(conn, secret, account, address):
+def _blocked_status(conn, secret, account, address):
     """What keeps ``address`` from the account's mail: the suppression reason,
     'unsubscribed' for an erased address, or None.  A new recipient with such
     an address is stored with that status, mailable only after it confirms."""
@@ -4660,7 +4666,7 @@ def blocked_status(conn, secret, account, address):
     if row is not None:
         return row["reason"]
     if conn.execute("SELECT 1 FROM erasure WHERE account = ? AND hash = ?",
-                    (account, erasure_hash(secret, address))).fetchone():
+                    (account, _erasure_hash(secret, address))).fetchone():
         return "unsubscribed"
     return None
 
@@ -4680,13 +4686,13 @@ def _typed_fields(call, given):
             raise InvalidParameter(f"fields['{field[1]}'] must be a string, a number or null.",
                                    field="fields")
         try:
-            data[str(field[0])] = convert_value(field[2], value)
+            data[str(field[0])] = _convert_value(field[2], value)
         except ValueError as error:
             raise InvalidParameter(f"fields['{field[1]}']: {error}.", field="fields") from None
     return data
 
 
-def _recipient_values(call, row):
+def _recipient_write_values(call, row):
     """Create and change of one recipient: the address (unique in the
     datasource), typed field values, and the status rules: a blocked
     address is stored as blocked; nothing makes an unsubscribed, bounced or
@@ -4707,13 +4713,13 @@ def _recipient_values(call, row):
                 **_typed_fields(call, call.params["fields"])}
         values["data"] = _to_json({key: value for key, value in data.items() if value is not None})
     status = call.get("status", row["status"] if row else "active")
-    if row is not None and row["status"] in SUPPRESSIONS and status in ("active", "unconfirmed"):
+    if row is not None and row["status"] in _SUPPRESSIONS and status in ("active", "unconfirmed"):
         raise Conflict(f"Recipient {row['id']} is {row['status']}: only the person can come back, "
                        "by confirming a new sign-up.", field="status")
     if status != "unsubscribed":  # that one goes through suppress(), after the change
         blocked = None
         if "email" in values and status in ("active", "unconfirmed"):
-            blocked = blocked_status(call.conn, call.service.secret, call.account, address)
+            blocked = _blocked_status(call.conn, call.service.secret, call.account, address)
         values["status"] = blocked or status
     return values
 
@@ -4731,7 +4737,7 @@ def _erased_marker(call, datasource):
         conn.executemany(
             "UPDATE recipient SET status = 'unsubscribed' WHERE datasource = ? AND email = ? "
             "AND EXISTS (SELECT 1 FROM erasure WHERE account = ? AND hash = ?)",
-            [(datasource, address, account, erasure_hash(secret, address))
+            [(datasource, address, account, _erasure_hash(secret, address))
              for address in addresses])
 
     return mark
@@ -4759,7 +4765,7 @@ def _erase_recipient(call, row):
     not sent).  The account's other lists keep their rows of the address, each
     erased by its own delete, but they stop receiving mail now."""
     account, address = call.account, row["email"]
-    digest = erasure_hash(call.service.secret, address)
+    digest = _erasure_hash(call.service.secret, address)
     now = _now()
     call.conn.execute("INSERT INTO erasure (account, hash, created) VALUES (?, ?, ?) "
                       "ON CONFLICT DO NOTHING", (account, digest, now))
@@ -4785,7 +4791,7 @@ RECIPIENT = Resource("recipient", "recipient", _recipient_record,
                      columns="email:email", required="email",
                      extra={"create": "fields:object status:active|unconfirmed",
                             "change": "fields:object status:active|unconfirmed|unsubscribed"},
-                     values=_recipient_values, after_create=_recipient_event,
+                     values=_recipient_write_values, after_create=_recipient_event,
                      after_change=_recipient_changed, on_delete=_erase_recipient,
                      filters={"status:" + "|".join(RECIPIENT_STATUSES): "status = ?",
                               "email:str": "email = ?"},
@@ -4828,7 +4834,7 @@ def _field_modify(call, child_id):
     name, kind = call.params["new"].strip(), call.params["type"]
     if field["name"].lower() == "email" and (name.lower() != "email" or kind != "email"):
         raise Conflict("The email field cannot be renamed or retyped.", field="new")
-    if not valid_field_name(name):
+    if not _valid_field_name(name):
         raise InvalidParameter("'new' must be a non-empty single-line name without braces, "
                                "at most 200 characters.", field="new")
     taken = call.conn.execute("SELECT 1 FROM field WHERE datasource = ? AND name = ? AND id != ?",
@@ -4837,7 +4843,7 @@ def _field_modify(call, child_id):
         raise Conflict(f"Datasource {datasource} already has a field named '{name}'.", field="new")
     if kind != field["type"]:
         _retype(call.conn, datasource, field, kind)
-    update_record(call.conn, "field", field["id"], {"name": name, "type": kind})
+    _update_record(call.conn, "field", field["id"], {"name": name, "type": kind})
     return {"field": _field_record(call, FIELD.find(call.conn, datasource, str(field["id"])))}
 
 
@@ -4850,23 +4856,23 @@ def _retype(conn, datasource, field, kind):
     """
     spell = {"json": "data", "key": int(field["id"])}
     failures, last_id = [], 0
-    while len(failures) < ROWS_REPORTED:
+    while len(failures) < _ROWS_REPORTED:
         rows = conn.execute(
             f"SELECT id, email, {conn.sql['json_item'].format(**spell)} AS value FROM recipient "
             f"WHERE datasource = ? AND id > ? AND {conn.sql['json_value'].format(**spell)} "
-            "IS NOT NULL ORDER BY id LIMIT ?", (datasource, last_id, CHUNK_ROWS)).fetchall()
+            "IS NOT NULL ORDER BY id LIMIT ?", (datasource, last_id, _CHUNK_ROWS)).fetchall()
         if not rows:
             break
         last_id = rows[-1]["id"]
         updates = []
         for row in rows:
             try:
-                updates.append((_to_json(convert_value(kind, display_value(row["value"]))),
+                updates.append((_to_json(_convert_value(kind, _display_value(row["value"]))),
                                 row["id"]))
             except ValueError as error:
                 failures.append({"recipient": str(row["id"]), "email": row["email"],
-                                 "value": display_value(row["value"]), "error": str(error)})
-                if len(failures) >= ROWS_REPORTED:
+                                 "value": _display_value(row["value"]), "error": str(error)})
+                if len(failures) >= _ROWS_REPORTED:
                     break
         if not failures:
             conn.executemany(f"UPDATE recipient SET data = "
@@ -4895,7 +4901,7 @@ class _Importer:
 
     def __init__(self, conn, datasource, import_id):
         self.conn, self.datasource, self.import_id = conn, datasource, import_id
-        self.fields = datasource_fields(conn, datasource)
+        self.fields = _datasource_fields(conn, datasource)
         self.names = {}                   # field key -> name, for messages
         self.pending = {}                 # folded address -> (address, keys, values)
         self.rows = self.inserted = self.updated = self.skipped = 0
@@ -4915,7 +4921,7 @@ class _Importer:
         self.writes = conn.import_writes(self)
 
     def report(self, number, error):
-        if len(self.errors) < ROWS_REPORTED:
+        if len(self.errors) < _ROWS_REPORTED:
             self.errors.append({"row": str(number), "error": error})
 
     def skip(self, number, error):
@@ -4930,7 +4936,7 @@ class _Importer:
             return None
         field = self.fields.get(label.lower())
         if field is None:
-            if not valid_field_name(label):
+            if not _valid_field_name(label):
                 self.report(1, f"column '{label[:50]}' left out: a field name is one line "
                                "without braces, at most 200 characters")
                 return None
@@ -4965,12 +4971,12 @@ class _Importer:
     def convert(self, number, keys, kinds, raws):
         """The raw values typed for their fields, or None (the row is skipped)."""
         try:
-            return tuple([convert_value(kind, raw) for kind, raw in zip(kinds, raws)])
+            return tuple([_convert_value(kind, raw) for kind, raw in zip(kinds, raws)])
         except ValueError:
             pass
         for key, kind, raw in zip(keys, kinds, raws):  # only for the message
             try:
-                convert_value(kind, raw)
+                _convert_value(kind, raw)
             except ValueError as error:
                 self.skip(number, f"{self.names.get(key, key)}: {error}")
                 return None
@@ -4990,7 +4996,7 @@ class _Importer:
         if earlier is not None:   # a repeat in the chunk: merged, its own spelling kept
             row = (address, *_merged(earlier, row)[1:])
         self.pending[folded] = row
-        if len(self.pending) >= CHUNK_ROWS:
+        if len(self.pending) >= _CHUNK_ROWS:
             self.flush()
 
     def flush(self):
@@ -5073,7 +5079,7 @@ def _sniff_delimiter(line):
 _BLOCK_BYTES = 1 << 18
 #: A CSV upload of this many bytes or more is read and checked in a child
 #: process on SQLite, while this one writes the chunks (_ChildReader).
-CHILD_READS_BYTES = 1 << 20
+_CHILD_READS_BYTES = 1 << 20
 
 
 def _csv_delimiter(first, next_line):
@@ -5104,7 +5110,7 @@ def _csv_records(raw):
 
 def _batches(records):
     """``records`` in lists of at most CHUNK_ROWS."""
-    while batch := list(itertools.islice(records, CHUNK_ROWS)):
+    while batch := list(itertools.islice(records, _CHUNK_ROWS)):
         yield batch
 
 
@@ -5189,7 +5195,7 @@ def _reader_batches(reader):
         try:
             for cells in reader:
                 batch.append(cells)
-                if len(batch) >= CHUNK_ROWS:
+                if len(batch) >= _CHUNK_ROWS:
                     yield batch
                     batch = []
             break
@@ -5222,7 +5228,7 @@ def _split_batches(lines, delimiter):
     delimiter, as csv.reader would, unless a line is longer than its field
     limit; then csv.reader says which record it refuses, and why."""
     limit = csv.field_size_limit()
-    while batch := list(itertools.islice(lines, CHUNK_ROWS)):
+    while batch := list(itertools.islice(lines, _CHUNK_ROWS)):
         if max(map(len, batch)) > limit:
             yield next(_reader_batches(csv.reader(batch, delimiter=delimiter)))
         else:
@@ -5296,7 +5302,7 @@ def _csv_batch(importer, layout, number, records):
     values = list(map(layout.text_cells, records))
     if layout.typed:
         try:
-            columns = [list(map(convert_value, itertools.repeat(kind),
+            columns = [list(map(_convert_value, itertools.repeat(kind),
                                 map(operator.itemgetter(i), records)))
                        for i, kind in layout.typed]
         except ValueError:  # _csv_row() names the row and the field
@@ -5319,7 +5325,7 @@ def _csv_batch(importer, layout, number, records):
         if at < len(records):
             _csv_row(importer, layout, number + 1 + at, records[at])
         start = at + 1
-    if len(importer.pending) >= CHUNK_ROWS:
+    if len(importer.pending) >= _CHUNK_ROWS:
         importer.flush()
     return number + len(records)
 
@@ -5332,7 +5338,7 @@ def _import_csv(importer, raw):
     (a large one on SQLite through a child process: see _ChildReader)."""
     header, batches = _csv_records(raw)
     layout = _CsvLayout(importer, header, nul=b"\x00" in raw)
-    if importer.conn.forks_reader and len(raw) >= CHILD_READS_BYTES:
+    if importer.conn.forks_reader and len(raw) >= _CHILD_READS_BYTES:
         return _ChildReader(importer, layout).run(batches)
     number = 1
     for records in batches:
@@ -5514,7 +5520,7 @@ def _import_create(call, child_id):
                 if raw.startswith(b"PK\x03\x04") else ""
             raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
                               field="__uploaddata__")
-    import_id = insert_record(call.conn, "import", child_id, {
+    import_id = _insert_record(call.conn, "import", child_id, {
         "datasource": datasource["id"], "name": call.params["name"],
         "originalfile": call.params["originalfile"], "uploadtype": upload_type,
         "status": "running", "created": _now()})
@@ -5529,7 +5535,7 @@ def _import_create(call, child_id):
         raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or Latin-1); "
                           "nothing was imported.", field="__uploaddata__") from None
     importer.finish()
-    update_record(call.conn, "import", import_id, {
+    _update_record(call.conn, "import", import_id, {
         "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
         "updated": importer.updated, "skipped": importer.skipped,
         "errors": _to_json(importer.errors), "finished": _now()})
@@ -5554,7 +5560,7 @@ def _notify_import(call, datasource, row):
         lines += [f"  row {error['row']}: {error['error']}" for error in errors[:20]]
     lines += ["", f"Import record: {call.base_url}/v1/datasource/{datasource['id']}"
                   f"/import/{row['id']}"]
-    enqueue_email(call.conn, call.account, account_email(call.conn, call.account),
+    enqueue_email(call.conn, call.account, _account_email(call.conn, call.account),
                   f'Import "{title}" finished: {row["inserted"]} new, {row["updated"]} updated, '
                   f'{row["skipped"]} skipped', "\n".join(lines) + "\n")
 
@@ -5621,7 +5627,7 @@ def _run_export(call):
         # look-up did not refuse a deleted datasource.
         datasource = DATASOURCE.find(conn, call.account, datasource_id, live=True)
         _purge_exports(conn)
-        expires = (datetime.datetime.now(datetime.timezone.utc) + EXPORT_LIFETIME)
+        expires = (datetime.datetime.now(datetime.timezone.utc) + _EXPORT_LIFETIME)
         export_id = conn.execute(
             "INSERT INTO export (datasource, status, token, expires, created) "
             "VALUES (?, 'running', ?, ?, ?)",
@@ -5659,17 +5665,17 @@ def _spreadsheet_text(text):
 
 def _spreadsheet_value(value):
     """A text or email field's cell (numbers, dates and flags print as display_value())."""
-    return _spreadsheet_text(display_value(value))
+    return _spreadsheet_text(_display_value(value))
 
 
 def _write_export(conn, datasource_id, path):
     """Stream the datasource's active recipients into ``path``; the row count."""
     # Every field but the email column itself: another field of type email
     # is a column of its own.
-    fields = sorted(field for name, field in datasource_fields(conn, datasource_id).items()
+    fields = sorted(field for name, field in _datasource_fields(conn, datasource_id).items()
                     if name != "email")
     cells = [_spreadsheet_text] + [_spreadsheet_value if kind in ("text", "email")
-                                   else display_value for _, _, kind in fields]
+                                   else _display_value for _, _, kind in fields]
     # Field ids are integers from our own table, never request text.
     columns = "".join(", " + conn.sql["json_item"].format(json="data", key=int(field_id))
                       for field_id, _, _ in fields)
@@ -5706,7 +5712,7 @@ def _notify_export(call, datasource, row):
     body = (f'The export of the datasource "{datasource["name"]}" (id {datasource["id"]}) is '
             f"ready: {row['rows']} recipients.\n\nDownload it (CSV) until {row['expires']} UTC:\n"
             f"{url}\n\nAnyone with this link can download the file; do not forward it.\n")
-    enqueue_email(call.conn, call.account, account_email(call.conn, call.account),
+    enqueue_email(call.conn, call.account, _account_email(call.conn, call.account),
                   f'Export of "{datasource["name"]}" is ready', body)
 
 
@@ -5768,7 +5774,7 @@ def _template_values(call, row):
                                    "{{content}}, where the message goes.", field="html")
         for part, body in bodies.items():
             try:
-                check_template(*((body, None) if part == "html" else (None, body)))
+                _check_template(*((body, None) if part == "html" else (None, body)))
             except ValueError as error:
                 raise InvalidParameter(str(error), field=part) from None
     return values
@@ -5776,9 +5782,9 @@ def _template_values(call, row):
 
 #: What a template's html and text must be, for the OpenAPI document: '' or
 #: holding {{content}} exactly once (as check_template() requires).
-_CONTENT_TAG = r"\{\{\s*[cC][oO][nN][tT][eE][nN][tT]\s*\}\}"
-_CONTENT_ONCE = {"allOf": [{"pattern": r"^$|^(?![\s\S]*" + _CONTENT_TAG + r"[\s\S]*" + _CONTENT_TAG
-                                       + r")[\s\S]*" + _CONTENT_TAG + r"[\s\S]*$"}]}
+_CONTENT_TAG_PATTERN = r"\{\{\s*[cC][oO][nN][tT][eE][nN][tT]\s*\}\}"
+_CONTENT_ONCE = {"allOf": [{"pattern": r"^$|^(?![\s\S]*" + _CONTENT_TAG_PATTERN + r"[\s\S]*" + _CONTENT_TAG_PATTERN
+                                       + r")[\s\S]*" + _CONTENT_TAG_PATTERN + r"[\s\S]*$"}]}
 
 TEMPLATE = Resource("template", "template", _plain_record, columns="name:str html:text text:text",
                     values=_template_values, repeat={"delete": "id"},
@@ -5797,7 +5803,7 @@ TEMPLATE = Resource("template", "template", _plain_record, columns="name:str htm
 # Segments
 # ---------------------------------------------------------------------------
 
-SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
+_SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
 
 
 def _condition_sql(conn, column, kind, op, value, typed_column=None):
@@ -5818,7 +5824,7 @@ def _condition_sql(conn, column, kind, op, value, typed_column=None):
             return conn.sql["contains"].format(haystack=f"lower({column})", needle="?"), (needle,)
         return f"substr(lower({column}), 1, ?) = ?", (len(needle), needle)
     try:
-        typed = convert_value(kind if kind != "email" else "text", value)
+        typed = _convert_value(kind if kind != "email" else "text", value)
     except ValueError:
         # Checked when stored, but the field has been retyped since: no value
         # of its new type equals this one (so only 'ne' holds), none is above
@@ -5834,7 +5840,7 @@ def _condition_sql(conn, column, kind, op, value, typed_column=None):
     return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
 
 
-def segment_filter(conn, datasources, match, conditions):
+def _segment_filter(conn, datasources, match, conditions):
     """``(sql, params)``: a WHERE clause over ``recipient r`` that selects the
     active recipients of a segment.  Counting and sending both use it, so the
     size a client sees is the audience that is sent to.
@@ -5848,7 +5854,7 @@ def segment_filter(conn, datasources, match, conditions):
         return "(1 = 0)", ()
     parts, params = [], []
     for datasource in datasources:
-        fields = datasource_fields(conn, datasource)
+        fields = _datasource_fields(conn, datasource)
         tests, test_params = [], []
         for condition in conditions:
             name, op, value = condition["field"].lower(), condition["op"], condition.get("value")
@@ -5884,7 +5890,7 @@ def _checked_datasources(given):
 def _checked_conditions(conn, datasources, given):
     """Segment ``conditions`` as stored: ``[{field, op, value}]``, each naming
     a field of the segment's datasources with a value its type takes."""
-    fields = [datasource_fields(conn, datasource) for datasource in datasources]
+    fields = [_datasource_fields(conn, datasource) for datasource in datasources]
     checked = []
     for index, item in enumerate(given):
         where = f"conditions[{index}]"
@@ -5893,9 +5899,9 @@ def _checked_conditions(conn, datasources, given):
             raise InvalidParameter(f"{where} must be an object with 'field', 'op' and 'value'.",
                                    field="conditions")
         name, op, value = item["field"].strip(), item.get("op"), item.get("value")
-        if op not in SEGMENT_OPS:
-            raise InvalidParameter(f"{where}.op must be one of {', '.join(SEGMENT_OPS)}.",
-                                   field="conditions", allowed=list(SEGMENT_OPS))
+        if op not in _SEGMENT_OPS:
+            raise InvalidParameter(f"{where}.op must be one of {', '.join(_SEGMENT_OPS)}.",
+                                   field="conditions", allowed=list(_SEGMENT_OPS))
         kinds = {"email"} if name.lower() == "email" else {
             known[name.lower()][2] for known in fields if name.lower() in known}
         if not kinds:
@@ -5917,7 +5923,7 @@ def _checked_conditions(conn, datasources, given):
         if op not in ("contains", "startswith"):
             for kind in sorted(kinds - {"email", "text"}):
                 try:
-                    convert_value(kind, str(value))  # as it is stored and used
+                    _convert_value(kind, str(value))  # as it is stored and used
                 except ValueError as error:
                     raise Conflict(f"{where}.value does not fit the {kind} field "
                                            f"'{name}': {error}.", field="conditions") from None
@@ -5941,7 +5947,7 @@ def _segment_values(call, row):
     return values
 
 
-def segment_query(conn, segment):
+def _segment_query(conn, segment):
     """``(where, params)`` over ``recipient r`` for a segment row: its active
     recipients, in those of its datasources that are not deleted (and are
     its account's)."""
@@ -5949,15 +5955,15 @@ def segment_query(conn, segment):
         "SELECT id FROM datasource WHERE deleted = 0 AND owner = ? AND id IN "
         f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id",
         (segment["owner"], segment["datasources"]))]
-    return segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
+    return _segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
 
 
-def segment_size(conn, segment):
+def _segment_size(conn, segment):
     """How many addresses a segment reaches: one address in two of its
     datasources counts once.  Counted by the database, never loaded into
     Python; within one datasource an address is unique already (the unique
     index folds case like lower() does), so there a plain count(*) serves."""
-    where, params = segment_query(conn, segment)
+    where, params = _segment_query(conn, segment)
     many = len(json.loads(segment["datasources"])) > 1
     return conn.execute(f"SELECT {'count(DISTINCT lower(r.email))' if many else 'count(*)'} "
                         f"FROM recipient r WHERE {where}", params).fetchone()[0]
@@ -5967,14 +5973,14 @@ def _segment_record(call, row):
     return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
             "datasources": [str(d) for d in json.loads(row["datasources"])],
             "match": row["match"], "conditions": json.loads(row["conditions"]),
-            "size": str(segment_size(call.conn, row)), "created": row["created"],
+            "size": str(_segment_size(call.conn, row)), "created": row["created"],
             "deleted": str(row["deleted"])}
 
 
 #: A condition as a segment answers it.
 _CONDITION = {"type": "object", "required": ["field", "op"], "properties": {
     "field": {"type": "string", "description": "a field name of the segment's datasources"},
-    "op": {"type": "string", "enum": list(SEGMENT_OPS)},
+    "op": {"type": "string", "enum": list(_SEGMENT_OPS)},
     "value": {"type": ["string", "null"],
               "description": "what the field is compared with (null for empty and notempty)"}}}
 
@@ -5984,7 +5990,7 @@ _CONDITION_WITH_VALUE = {
     "type": "object", "required": ["field", "op", "value"], "additionalProperties": False,
     "properties": {
         "field": {"type": "string", "pattern": "\\S"},
-        "op": {"type": "string", "enum": [op for op in SEGMENT_OPS
+        "op": {"type": "string", "enum": [op for op in _SEGMENT_OPS
                                           if op not in ("empty", "notempty")]},
         "value": {"anyOf": [{"type": "string",
                              "pattern": "^[^\\r\\n\\x00]*[^\\s\\x00][^\\r\\n\\x00]*$"},
@@ -6042,7 +6048,7 @@ def _campaign_values(call, row):
     return values
 
 
-def cancel_batches(conn, campaign_id):
+def _cancel_batches(conn, campaign_id):
     """Cancel the campaign's batches that have not started sending."""
     conn.execute("UPDATE batch SET status = 'cancelled', finished = ? "
                  "WHERE campaign = ? AND status = 'scheduled'", (_now(), campaign_id))
@@ -6050,7 +6056,7 @@ def cancel_batches(conn, campaign_id):
 
 def _cancel_if_unscheduled(call, campaign_id):
     if call.get("scheduled") == 0:
-        cancel_batches(call.conn, campaign_id)
+        _cancel_batches(call.conn, campaign_id)
 
 
 #: ``scheduled`` is derived, not stored: 1 while the campaign has a batch
@@ -6064,7 +6070,7 @@ CAMPAIGN = Resource(
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
            "AND batch.status = 'scheduled') AS scheduled",
     after_change=_cancel_if_unscheduled,
-    on_delete=lambda call, row: cancel_batches(call.conn, row["id"]),
+    on_delete=lambda call, row: _cancel_batches(call.conn, row["id"]),
     answer="emt_campaign", one_as_list=True,
     fields=_record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
@@ -6087,7 +6093,7 @@ CAMPAIGN = Resource(
                             {"anyOf": [
                                 {"type": "integer", "minimum": 0, "maximum": MAX_ID},
                                 {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
-                                 "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + TEMPLATE_NAME_REFUSED
+                                 "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + _TEMPLATE_NAME_REFUSED
                                  + "]*$"}]}),
         "thumbnail": ("A URL of a picture of the campaign, for people.",
                       "https://example.com/thumb.png"),
@@ -6147,7 +6153,7 @@ LINK = Resource(
         "segmentmessagehack": ("The campaign message's id again, as in the path.", 1)})
 
 
-def campaign_links(conn, campaign_id):
+def _campaign_links(conn, campaign_id):
     """The campaign's message links (with the message's subject and name) in
     sending order."""
     return conn.execute(f"SELECT {LINK.select} FROM {LINK.source} "
@@ -6171,7 +6177,7 @@ def _rows_by_id(conn, table, ids, owner):
         "AND owner = ?", (json.dumps(sorted(set(ids))), owner))}
 
 
-def segment_overlaps(conn, segments):
+def _segment_overlaps(conn, segments):
     """``{(a, b): addresses in both}`` for every pair of the given segment rows,
     ``(a, a)`` being a segment's size; one SQL statement over the recipients.
 
@@ -6185,11 +6191,11 @@ def segment_overlaps(conn, segments):
     if not segments:
         return {}
     if len(segments) == 1:
-        return {(segments[0]["id"],) * 2: segment_size(conn, segments[0])}
+        return {(segments[0]["id"],) * 2: _segment_size(conn, segments[0])}
     words = range((len(segments) + 61) // 62)
     parts, params = [], []
     for index, segment in enumerate(segments):
-        where, args = segment_query(conn, segment)
+        where, args = _segment_query(conn, segment)
         masks = ", ".join(f"{1 << index % 62 if word == index // 62 else 0} AS m{word}"
                           for word in words)
         parts.append(f"SELECT {masks}, lower(r.email) AS address FROM recipient r WHERE {where}")
@@ -6208,7 +6214,7 @@ def segment_overlaps(conn, segments):
     return counts
 
 
-def campaign_structure(conn, account, campaign_id):
+def _campaign_structure(conn, account, campaign_id):
     """The structure record: the campaign's segments in sending order with
     their messages, sizes and the addresses each shares with the others.
 
@@ -6216,12 +6222,12 @@ def campaign_structure(conn, account, campaign_id):
     """
     CAMPAIGN.find(conn, account, campaign_id)
     entries = {}
-    for link in campaign_links(conn, campaign_id):
+    for link in _campaign_links(conn, campaign_id):
         entry = entries.setdefault(link["segment"], {
             "segment": str(link["segment"]), "priority": str(link["priority"]), "messages": []})
         entry["messages"].append(str(link["message"]))
     rows = _rows_by_id(conn, "segment", entries, account)
-    counts = segment_overlaps(conn, [rows[segment] for segment in entries])
+    counts = _segment_overlaps(conn, [rows[segment] for segment in entries])
     segments = []
     for segment, entry in entries.items():
         overlap = [{"segment": str(other), "shared": str(counts.get((segment, other), 0))}
@@ -6234,7 +6240,7 @@ def campaign_structure(conn, account, campaign_id):
 
 def _campaign_structure_get(call, child_id):
     _whole_campaign(call.parent["id"], child_id, "structure")
-    return {"structure": campaign_structure(call.conn, call.account, call.parent["id"])}
+    return {"structure": _campaign_structure(call.conn, call.account, call.parent["id"])}
 
 
 def _campaign_verify_get(call, child_id):
@@ -6256,9 +6262,9 @@ class _Campaign:
         self.row = CAMPAIGN.find(conn, account, campaign_id)
         self.template, self.template_problem = None, None
         try:
-            self.template = campaign_template(conn, account, self.row["defaulttemplate"],
+            self.template = _campaign_template(conn, account, self.row["defaulttemplate"],
                                               templates_dir)
-        except TemplateUnusable as problem:
+        except _TemplateUnusable as problem:
             self.template_problem = problem
         self.profile_id = self.row["accountprofile"]
         self.profile_row = conn.execute("SELECT * FROM accountprofile WHERE id = ? AND owner = ?",
@@ -6267,7 +6273,7 @@ class _Campaign:
             else self.profile_row
         self.profile_address = self.profile is not None and _normalize_email(
             self.profile["fromaddress"])
-        self.links = campaign_links(conn, campaign_id)
+        self.links = _campaign_links(conn, campaign_id)
         self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links],
                                     account)
         self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
@@ -6278,7 +6284,7 @@ class _Campaign:
         (when it has a usable one), merge tags still tags."""
         html_body, text_body = message["html"], message["text"]
         if self.template:
-            html_body, text_body = wrap_in_template(*self.template, html_body, text_body)
+            html_body, text_body = _wrap_in_template(*self.template, html_body, text_body)
         return {"html": html_body, "text": text_body}
 
     def senders(self):
@@ -6292,12 +6298,12 @@ class _Campaign:
 
 #: Verify's checks, in the order the record lists them: ``(name, check)``,
 #: each check giving ``(problems, message when it passes)`` for a _Campaign.
-VERIFY_CHECKS = []
+_VERIFY_CHECKS = []
 
 
 def _verify_check(name):
     def register(check):
-        VERIFY_CHECKS.append((name, check))
+        _VERIFY_CHECKS.append((name, check))
         return check
     return register
 
@@ -6413,7 +6419,7 @@ def _verify_unsubscribe_links(c):
         for part, example in (("html", '<a href="{{unsubscribe_url}}">Unsubscribe</a>'),
                               ("text", "'Unsubscribe: {{unsubscribe_url}}'"))
         if (m[part].strip() or not (m["html"].strip() or m["text"].strip()))
-        and "unsubscribe_url" not in merge_tags(sent[part])
+        and "unsubscribe_url" not in _merge_tags(sent[part])
     ], "Every message body carries {{unsubscribe_url}}."
 
 
@@ -6427,9 +6433,9 @@ def _verify_merge_tags(c):
         known = {"email", "unsubscribe_url"}
         for datasource in _rows_by_id(c.conn, "datasource", json.loads(segment["datasources"]),
                                       segment["owner"]):
-            known.update(datasource_fields(c.conn, datasource))
-        unknown = sorted(set().union(merge_tags(message["subject"]), *map(
-            merge_tags, c.bodies(message).values())) - known)
+            known.update(_datasource_fields(c.conn, datasource))
+        unknown = sorted(set().union(_merge_tags(message["subject"]), *map(
+            _merge_tags, c.bodies(message).values())) - known)
         if unknown:
             tags = ", ".join(f"{{{{{tag}}}}}" for tag in unknown)
             problems.append(
@@ -6442,7 +6448,7 @@ def _verify_merge_tags(c):
 
 @_verify_check("segment_recipients")
 def _verify_segment_sizes(c):
-    sizes = {s["id"]: segment_size(c.conn, s) for s in c.segments.values()}
+    sizes = {s["id"]: _segment_size(c.conn, s) for s in c.segments.values()}
     return [f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
             "into its datasources or loosen its conditions." for s in c.segments.values()
             if not sizes[s["id"]]], "Every segment has active recipients (" + ", ".join(
@@ -6465,7 +6471,7 @@ def _verify_segment_definitions(c):
                 problems.append(f"{label} uses datasource {row['id']}, which is deleted: "
                                 f"set its datasources again with {fix}.")
             else:
-                fields.update(datasource_fields(c.conn, row["id"]))
+                fields.update(_datasource_fields(c.conn, row["id"]))
         for condition in json.loads(segment["conditions"]):
             name = condition["field"]
             if name.lower() != "email" and name.lower() not in fields:
@@ -6481,7 +6487,7 @@ def _verify_non_ascii(c):
     depends on the relay (SMTPUTF8), which is known only when sending."""
     notes = []
     for segment in c.segments.values():
-        where, params = segment_query(c.conn, segment)
+        where, params = _segment_query(c.conn, segment)
         count, example = c.conn.execute(
             f"SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r WHERE {where} "
             f"AND {c.conn.sql['non_ascii'].format(expr='r.email')}", params).fetchone()
@@ -6534,7 +6540,7 @@ def verify_campaign(conn, account, campaign_id, templates_dir=""):
     """
     campaign = _Campaign(conn, account, campaign_id, templates_dir)
     checks = []
-    for name, check in VERIFY_CHECKS:
+    for name, check in _VERIFY_CHECKS:
         problems, passed_message = check(campaign)
         checks.append({"check": name, "passed": "0" if problems else "1",
                        "message": " ".join(problems) if problems else passed_message})
@@ -6677,7 +6683,7 @@ def _chart(unit, buckets):
     return "".join(parts)
 
 
-def archive_page(archive_record, title):
+def _archive_page(archive_record, title):
     """An archive (or batch archive) with its statistics as a page for a
     person: the figures, a chart of opens and clicks over time (inline SVG,
     nothing loaded from elsewhere) and the links with their clicks.
@@ -6715,9 +6721,9 @@ def _campaign_send(call, child_id):
     if "timestamp" not in call.params:
         raise MissingParameter("Missing required parameter: timestamp (or test, a list of "
                                "addresses, for a test send).", field=["timestamp"])
-    when = parse_timestamp(call.get("timestamp"))
+    when = _parse_timestamp(call.get("timestamp"))
     _verified(call, parent_id)
-    batch = insert_record(call.conn, "batch", child_id, {
+    batch = _insert_record(call.conn, "batch", child_id, {
         "campaign": parent_id, "timestamp": when, "status": "scheduled",
         "base_url": call.base_url, "created": _now()})
     return {"id": str(batch)}
@@ -6775,7 +6781,7 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
                     _make_batch(conn, batch, now, pending, templates_dir)
                     made += 1
             if pending:
-                run_callbacks(on_event, pending)
+                _run_callbacks(on_event, pending)
         # The worker calls this every second: take the write lock only when
         # some batch is still sending.
         if conn.execute("SELECT 1 FROM batch WHERE status = 'sending' LIMIT 1").fetchone():
@@ -6787,7 +6793,7 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
                         (now,)).fetchall():
                     _batch_event(conn, batch, "batch.sent", pending)
             if pending:
-                run_callbacks(on_event, pending)
+                _run_callbacks(on_event, pending)
         return made
     finally:
         if isinstance(db, str):
@@ -6809,20 +6815,20 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
     template = None
     if why is None:
         try:  # read once for the whole batch
-            template = campaign_template(conn, account, campaign["defaulttemplate"],
+            template = _campaign_template(conn, account, campaign["defaulttemplate"],
                                          templates_dir)
-        except TemplateUnusable as problem:
+        except _TemplateUnusable as problem:
             why = "campaign %s cannot use its template: " + str(problem).replace("%", "%%")
     if why is not None:
         conn.execute("UPDATE batch SET status = 'cancelled', finished = ? WHERE id = ?",
                      (now, batch["id"]))
-        log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
+        _log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
-    for link in campaign_links(conn, campaign["id"]):
+    for link in _campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
         enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
-                recipients=segment_query(conn, segment), now=now)
+                recipients=_segment_query(conn, segment), now=now)
         _archive_message(conn, campaign, batch, link["message"], template)
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
@@ -6832,7 +6838,7 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
                  (queued, campaign["tracking"], batch["id"]))
     _batch_event(conn, conn.execute("SELECT * FROM batch WHERE id = ?", (batch["id"],)).fetchone(),
                  "batch.started", pending)
-    log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
+    _log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
 
 
 def _archive_message(conn, campaign, batch, message_id, template=None):
@@ -6847,7 +6853,7 @@ def _archive_message(conn, campaign, batch, message_id, template=None):
     if conn.execute("SELECT 1 FROM batch_message WHERE batch = ? AND message = ?",
                     (batch["id"], message_id)).fetchone():
         return  # linked to two segments: prepared once
-    sent = prepare_message(message, template)
+    sent = _prepare_message(message, template)
     conn.execute("INSERT INTO batch_message (batch, message, subject, html, text) "
                  "VALUES (?, ?, ?, ?, ?)",
                  (batch["id"], message_id, sent["subject"], sent["html"], sent["text"]))
@@ -6865,7 +6871,7 @@ def _store_links(conn, batch_id):
     only to the URL kept here."""
     for message in conn.execute("SELECT message, html FROM batch_message WHERE batch = ?",
                                 (batch_id,)).fetchall():
-        tracked, links = track_html(message["html"])
+        tracked, links = _track_html(message["html"])
         conn.execute("UPDATE batch_message SET tracked = ? WHERE batch = ? AND message = ?",
                      (tracked, batch_id, message["message"]))
         conn.executemany(
@@ -6876,7 +6882,7 @@ def _store_links(conn, batch_id):
 
 #: The statistics of an archive and a batch archive that are counts, in the
 #: order the records show them (links and timeline follow).
-STATISTICS = ("recipients", "sent", "failed", "bounced", "complained", "unsubscribed", "opened",
+_STATISTICS = ("recipients", "sent", "failed", "bounced", "complained", "unsubscribed", "opened",
               "opens", "clicked", "clicks")
 
 
@@ -6892,7 +6898,7 @@ def _event_figures(conn, where, args):
         "count(DISTINCT outbox) FILTER (WHERE kind = 'open' OR kind = 'click'), "
         "count(*) FILTER (WHERE kind = 'open'), count(DISTINCT outbox) FILTER (WHERE kind = 'click'), "
         f"count(*) FILTER (WHERE kind = 'click') FROM event WHERE {where}", args).fetchone()
-    return dict(zip(STATISTICS[3:], row))
+    return dict(zip(_STATISTICS[3:], row))
 
 
 def _batch_statistics(conn, batch):
@@ -6926,7 +6932,7 @@ def _statistics_record(figures):
     """Statistics as the records answer them: every count a string, links
     [{url, clicks, clicked}] most clicked first, timeline [{hour, opens,
     clicks}] by hour."""
-    record = {name: str(figures[name]) for name in STATISTICS}
+    record = {name: str(figures[name]) for name in _STATISTICS}
     record["links"] = [{"url": url, "clicks": str(clicks), "clicked": str(clicked)}
                        for url, (clicks, clicked) in sorted(
                            figures["links"].items(), key=lambda item: -item[1][0])]
@@ -6953,7 +6959,7 @@ def _batch_record(conn, batch, with_messages=True, figures=None):
 _COUNT = {"type": "string", "pattern": "^[0-9]+$"}
 #: The statistics of an archive and a batch archive (_statistics_record()).
 _STATISTICS_SCHEMAS = {
-    **dict.fromkeys(STATISTICS, _COUNT),
+    **dict.fromkeys(_STATISTICS, _COUNT),
     "links": {"type": "array", "items": {
         "type": "object", "required": ["url", "clicks", "clicked"],
         "properties": {"url": {"type": "string"}, "clicks": _COUNT, "clicked": _COUNT}}},
@@ -6963,7 +6969,7 @@ _STATISTICS_SCHEMAS = {
                                                             "[0-9]{2}:00:00$"},
                        "opens": _COUNT, "clicks": _COUNT}}}}
 _BATCH_SCHEMA = _record_schema(
-    "id campaign timestamp status queued " + " ".join(STATISTICS) + " links timeline "
+    "id campaign timestamp status queued " + " ".join(_STATISTICS) + " links timeline "
     "created finished",
     status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]},
     **_STATISTICS_SCHEMAS)
@@ -6988,14 +6994,14 @@ def _archive_get(call, child_id):
     # Per batch, then summed: an email belongs to one batch.  Events of the
     # campaign outside its batches (an unsubscribe by a first-release link)
     # count for the whole campaign only.
-    total = {name: 0 for name in STATISTICS}
+    total = {name: 0 for name in _STATISTICS}
     total.update(links={}, timeline={})
     batches = []
     for row in call.conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id",
                                  (parent_id,)).fetchall():
         figures = _batch_statistics(call.conn, row)
         batches.append(_batch_record(call.conn, row, with_messages=False, figures=figures))
-        for name in STATISTICS:
+        for name in _STATISTICS:
             total[name] += figures[name]
         for key in ("links", "timeline"):
             for name, pair in figures[key].items():
@@ -7007,7 +7013,7 @@ def _archive_get(call, child_id):
               **_statistics_record(total)}
     if _prefers_html(_request_header("Accept")):
         return bottle.HTTPResponse(
-            archive_page(record, f"{call.parent['name']}: what happened"), 200,
+            _archive_page(record, f"{call.parent['name']}: what happened"), 200,
             {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
     return {"archive": record}
 
@@ -7015,11 +7021,11 @@ def _archive_get(call, child_id):
 # Preview and test sends: an email built by delivery's own code -----------------
 
 #: A test send goes to at most this many addresses.
-MAX_TEST_ADDRESSES = 10
+_MAX_TEST_ADDRESSES = 10
 #: The checks of verify that a test send must pass: those about the email
 #: itself.  Those about its audience (recipients, merge-tag fields, the
 #: unsubscribe link, an enabled campaign) are left to the real send.
-TEST_SEND_CHECKS = ("campaign_messages", "links_in_use", "message_subject", "message_from",
+_TEST_SEND_CHECKS = ("campaign_messages", "links_in_use", "message_subject", "message_from",
                     "message_body", "template_found", "template_content", "reply_to",
                     "header_line_breaks")
 
@@ -7028,7 +7034,7 @@ def _segment_recipient(conn, segment, wanted=None):
     """A recipient row of the segment that a send would mail (active, not
     suppressed): ``wanted`` (an id or an address), else the one with the
     lowest id; None when there is none."""
-    where, params = segment_query(conn, segment)
+    where, params = _segment_query(conn, segment)
     sql = (f"SELECT r.* FROM recipient r WHERE {where} AND NOT EXISTS (SELECT 1 FROM "
            "suppression s WHERE s.account = ? AND s.email = r.email)")
     args = [*params, segment["owner"]]
@@ -7042,9 +7048,9 @@ def _segment_recipient(conn, segment, wanted=None):
 def _usable_template(call):
     """The campaign's template bodies (or None); 409 when it cannot be used."""
     try:
-        return campaign_template(call.conn, call.account, call.parent["defaulttemplate"],
+        return _campaign_template(call.conn, call.account, call.parent["defaulttemplate"],
                                  call.service.config["templates_dir"])
-    except TemplateUnusable as problem:
+    except _TemplateUnusable as problem:
         raise Conflict(str(problem)) from None
 
 
@@ -7052,20 +7058,20 @@ def _link_letter(call, link, template):
     """``(message row, Letter)`` of a campaign message, prepared as a batch
     made now would send it."""
     message = MESSAGE.find(call.conn, call.account, link["message"])
-    return message, message_letter(call.conn, call.parent, message,
-                                   prepare_message(message, template), call.base_url,
-                                   default_mail_from())
+    return message, _message_letter(call.conn, call.parent, message,
+                                   _prepare_message(message, template), call.base_url,
+                                   _default_mail_from())
 
 
 def _built_email(call, letter, recipient, to_addr):
     """The email of ``letter`` to ``to_addr`` with the merge values of
     ``recipient`` (a row; None: blank fields, {{email}} the address), as
     delivery builds it, parsed: ``{subject, html, text, headers}``."""
-    values = {"email": to_addr} if recipient is None else recipient_values(
-        datasource_fields(call.conn, recipient["datasource"]), recipient)
+    values = {"email": to_addr} if recipient is None else _recipient_values(
+        _datasource_fields(call.conn, recipient["datasource"]), recipient)
     # The recipient's own link when the email is theirs; a tester's names the tester.
     own = recipient is not None and recipient["email"] == to_addr
-    _, raw = recipient_email(letter, call.service.secret, to_addr, values,
+    _, raw = _recipient_email(letter, call.service.secret, to_addr, values,
                              recipient["id"] if own else None)
     # Line ends as a mail client reads them (SMTP's CRLF as LF).
     parsed = email.message_from_bytes(raw.replace(b"\r\n", b"\n"), policy=email.policy.default)
@@ -7106,8 +7112,8 @@ def _test_send(call, child_id, addresses):
     if "timestamp" in call.params:
         raise InvalidParameter("A test send goes now: give 'test' or 'timestamp', not both.",
                                field="timestamp")
-    if not 1 <= len(addresses) <= MAX_TEST_ADDRESSES:
-        raise InvalidParameter(f"'test' must list 1 to {MAX_TEST_ADDRESSES} email addresses.",
+    if not 1 <= len(addresses) <= _MAX_TEST_ADDRESSES:
+        raise InvalidParameter(f"'test' must list 1 to {_MAX_TEST_ADDRESSES} email addresses.",
                                field="test")
     checked = {}
     for index, address in enumerate(addresses):
@@ -7116,14 +7122,14 @@ def _test_send(call, child_id, addresses):
             raise InvalidParameter(f"test[{index}] is not a valid email address.", field="test")
         checked.setdefault(normal.lower(), normal)
     campaign = call.parent
-    _verified(call, campaign["id"], TEST_SEND_CHECKS)
+    _verified(call, campaign["id"], _TEST_SEND_CHECKS)
     template = _usable_template(call)
-    for link in campaign_links(call.conn, campaign["id"]):
+    for link in _campaign_links(call.conn, campaign["id"]):
         segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
         message = MESSAGE.find(call.conn, call.account, link["message"])
-        sent = prepare_message(message, template)
-        sender = campaign_sender(call.conn, campaign, message)
+        sent = _prepare_message(message, template)
+        sender = _campaign_sender(call.conn, campaign, message)
         for address in checked.values():
             enqueue(call.conn, campaign["owner"], "test", address,
                     subject="[Test] " + sent["subject"], body=sent["text"],
@@ -7198,7 +7204,7 @@ def _campaign_email(conn, secret, purpose, token, size=1):
     return (row, numbers) if row is not None else (None, None)
 
 
-def record_event(conn, kind, email, link=None, created=None):
+def _record_event(conn, kind, email, link=None, created=None):
     """Count an open or a click of a campaign email (a row of
     _campaign_email(), or its dict) in the statistics: one INSERT.
 
@@ -7300,7 +7306,7 @@ def _open(call, token):
     email, _ = _campaign_email(call.conn, call.service.secret, "open", token)
     if email is not None and _read_by_a_person():
         _count_later(call, "open", email)
-    return bottle.HTTPResponse(GIF_PIXEL, 200, {
+    return bottle.HTTPResponse(_GIF_PIXEL, 200, {
         "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0",
         "X-Robots-Tag": "noindex"})
 
@@ -7318,9 +7324,9 @@ def _click(call, token):
         recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
                                       (email["recipient"],)).fetchone()
         if recipient is not None:
-            values = recipient_values(datasource_fields(call.conn, recipient["datasource"]),
+            values = _recipient_values(_datasource_fields(call.conn, recipient["datasource"]),
                                       recipient)
-    target = click_target(email["url"], values)
+    target = _click_target(email["url"], values)
     if _read_by_a_person():
         _count_later(call, "click", email, numbers[1])
     return bottle.HTTPResponse(status=302, headers={
@@ -7331,13 +7337,13 @@ def _click(call, token):
 # Sign-ups and their confirmation ---------------------------------------------
 
 #: How long a confirmation link works, and an unconfirmed sign-up waits.
-CONFIRM_DAYS = 7
+_CONFIRM_DAYS = 7
 #: At most one confirmation email per recipient within this time.
-CONFIRM_EVERY = datetime.timedelta(minutes=10)
+_CONFIRM_EVERY = datetime.timedelta(minutes=10)
 #: The form's hidden trap: people leave it empty, form-filling bots do not.
-HONEYPOT = "_website"
+_HONEYPOT = "_website"
 #: A sign-up is a few short values: larger bodies are refused unread.
-SIGNUP_MAX_BODY = 64 * 1024
+_SIGNUP_MAX_BODY = 64 * 1024
 #: HTML input types of the field types on the sign-up form.
 _INPUT_TYPES = {"text": 'type="text"', "integer": 'type="number" step="1"',
                 "number": 'type="number" step="any"', "boolean": 'type="checkbox" value="1"',
@@ -7349,10 +7355,10 @@ def _today():
     return (datetime.datetime.now(datetime.timezone.utc).date() - datetime.date(1970, 1, 1)).days
 
 
-def confirm_url(secret, base, recipient_id):
+def _confirm_url(secret, base, recipient_id):
     """The link of a confirmation email: names the recipient by id (signed,
     no address), valid for CONFIRM_DAYS."""
-    token = sign_token(secret, "confirm", recipient_id, _today() + CONFIRM_DAYS)
+    token = sign_token(secret, "confirm", recipient_id, _today() + _CONFIRM_DAYS)
     return f"{base.rstrip('/')}/v1/confirm/{token}"
 
 
@@ -7384,7 +7390,7 @@ def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
         return _list_page("Sign-up form not found", _GONE, 404)
     values = values or {}
     rows = []
-    for field_id, name, kind in sorted(datasource_fields(call.conn, datasource["id"]).values()):
+    for field_id, name, kind in sorted(_datasource_fields(call.conn, datasource["id"]).values()):
         is_email = name.lower() == "email"
         key = "email" if is_email else name
         label = "Email address" if is_email else name
@@ -7410,7 +7416,7 @@ def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
                    if datasource["description"].strip() else "")
     body = (f"{description}{alert}<form method=\"post\" accept-charset=\"utf-8\">{''.join(rows)}"
             f'<p class="trap" aria-hidden="true"><label for="hp">Leave this empty</label>'
-            f'<input id="hp" name="{HONEYPOT}" type="text" tabindex="-1" autocomplete="off"></p>'
+            f'<input id="hp" name="{_HONEYPOT}" type="text" tabindex="-1" autocomplete="off"></p>'
             '<p><button type="submit">Subscribe</button></p></form>')
     return _list_page(f"Subscribe to {datasource['name']}", body, status)
 
@@ -7427,7 +7433,7 @@ def _signup_body(environ):
     """The values of a sign-up, ``{name: value}``: from a form post or a
     JSON object."""
     content_type = _content_type(environ)
-    body = _read_body(environ, SIGNUP_MAX_BODY)
+    body = _read_body(environ, _SIGNUP_MAX_BODY)
     if not body.strip():
         return {}
     if content_type == "application/x-www-form-urlencoded":
@@ -7458,8 +7464,8 @@ def _signup_body(environ):
 def _signup_values(call, datasource, given):
     """The address and ``{field id: value}`` of a sign-up, checked: unknown
     names are refused (a typo must not lose what a person typed)."""
-    fields = datasource_fields(call.conn, datasource["id"])
-    unknown = sorted(name for name in given if name != HONEYPOT and (
+    fields = _datasource_fields(call.conn, datasource["id"])
+    unknown = sorted(name for name in given if name != _HONEYPOT and (
         name.lower() not in fields or name.lower() == "email" and name != "email"))
     if unknown:
         raise UnknownParameter(f"Unknown field{'s' if len(unknown) > 1 else ''}: "
@@ -7477,11 +7483,11 @@ def _signup_values(call, datasource, given):
         raise InvalidParameter("This is not a valid email address.", field="email")
     data = {}
     for name, value in given.items():
-        if name in ("email", HONEYPOT):
+        if name in ("email", _HONEYPOT):
             continue
         field_id, label, kind = fields[name.lower()]
         try:
-            converted = convert_value(kind, value)
+            converted = _convert_value(kind, value)
         except ValueError as error:
             raise InvalidParameter(f"{label}: {error}.", field=name) from None
         if converted is not None:
@@ -7507,7 +7513,7 @@ def _signup_post(call, ds):
                 raise TooManyRequests("Too many sign-ups from your network; try again in a "
                                       "minute.", wait)
         address, data = _signup_values(call, datasource, given)
-        if not str(given.get(HONEYPOT) or "").strip():
+        if not str(given.get(_HONEYPOT) or "").strip():
             call.later("signup", datasource=datasource["id"], address=address, data=data,
                        base=call.base_url)
     except ApiError as error:
@@ -7567,7 +7573,7 @@ def _sign_up(call, datasource, address, data):
     becomes active and a blocked one stays as it is.
     """
     conn, now, account = call.conn, _now(), datasource["owner"]
-    status = blocked_status(conn, call.service.secret, account, address) or (
+    status = _blocked_status(conn, call.service.secret, account, address) or (
         "unconfirmed" if datasource["doubleoptin"] else "active")
     # DO NOTHING: the same address signed up twice at once is stored once,
     # and the second finds it like any known address (never a 409).
@@ -7593,14 +7599,14 @@ def _sign_up(call, datasource, address, data):
     if row["status"] == "active" or not datasource["doubleoptin"]:
         return
     last = row["confirm_sent"]
-    if last and last > (datetime.datetime.now(datetime.timezone.utc) - CONFIRM_EVERY).strftime(
+    if last and last > (datetime.datetime.now(datetime.timezone.utc) - _CONFIRM_EVERY).strftime(
             "%Y-%m-%d %H:%M:%S"):
         return
     conn.execute("UPDATE recipient SET confirm_sent = ?, updated = ? WHERE id = ?",
                  (now, now, row["id"]))
-    link = confirm_url(call.service.secret, call.base_url, row["id"])
+    link = _confirm_url(call.service.secret, call.base_url, row["id"])
     message = _list_message(conn, datasource, "confirmmessage")
-    if message is not None and all("confirm_url" in merge_tags(message[body])
+    if message is not None and all("confirm_url" in _merge_tags(message[body])
                                    for body in ("html", "text") if message[body].strip()):
         _queue_list_email(call, datasource, row, message, confirm=link)
         return
@@ -7643,10 +7649,10 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
                            ).fetchone()
     sender = {name: message[name] or (profile[name] if profile else "") or None
               for name in ("fromname", "fromaddress", "replyto")}
-    values = {name.lower(): value for name, value in recipient_values(
-        datasource_fields(conn, datasource["id"]), recipient).items()}
+    values = {name.lower(): value for name, value in _recipient_values(
+        _datasource_fields(conn, datasource["id"]), recipient).items()}
     values["confirm_url"] = confirm
-    values["unsubscribe_url"] = unsubscribe_url(call.service.secret, call.base_url, account,
+    values["unsubscribe_url"] = _unsubscribe_url(call.service.secret, call.base_url, account,
                                                 recipient["email"])
     enqueue(conn, account, "signup", recipient["email"], recipient=recipient["id"],
             subject=_Template(message["subject"]).fill(values) or "(no subject)",
@@ -7671,7 +7677,7 @@ def _confirm_subject(call, token):
     row = call.conn.execute(_CONFIRM_ROW, (recipient_id,)).fetchone()
     if expires < _today() or row is None:
         return None, _list_page("This link has expired", (
-            f"<p>Confirmation links work for {CONFIRM_DAYS} days, and this one is older or no "
+            f"<p>Confirmation links work for {_CONFIRM_DAYS} days, and this one is older or no "
             "longer needed. Sign up again to get a new one.</p>"), 404)
     if row["status"] == "active":
         return None, _list_page("You are subscribed", (
@@ -7720,7 +7726,7 @@ def _apply_confirm(call, recipient, base):
     conn.execute("DELETE FROM suppression WHERE account = ? AND email = ?",
                  (account, row["email"]))
     conn.execute("DELETE FROM erasure WHERE account = ? AND hash = ?",
-                 (account, erasure_hash(call.service.secret, row["email"])))
+                 (account, _erasure_hash(call.service.secret, row["email"])))
     emit(call.conn, account, "recipient.confirmed",
          {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"]},
          call.events)
@@ -7732,23 +7738,23 @@ def _apply_confirm(call, recipient, base):
 #: What the public routes hand to call.later(), by kind: each function
 #: applies one write, its payload as keyword arguments, in the caller's
 #: transaction (see _Intake).
-LATER = {
+_LATER = {
     "event": lambda call, kind, email, link, created:
-        record_event(call.conn, kind, email, link, created),
+        _record_event(call.conn, kind, email, link, created),
     "unsubscribe": _apply_unsubscribe,
     "signup": _apply_signup,
     "confirm": _apply_confirm,
 }
 
 
-def remove_unconfirmed(db, limit=1000):
+def _remove_unconfirmed(db, limit=1000):
     """Delete sign-ups left unconfirmed for CONFIRM_DAYS (since their last
     sign-up), at most ``limit`` per call: the worker runs it with its batches.
 
     :returns: how many were removed.
     """
     cutoff = (datetime.datetime.now(datetime.timezone.utc)
-              - datetime.timedelta(days=CONFIRM_DAYS)).strftime("%Y-%m-%d %H:%M:%S")
+              - datetime.timedelta(days=_CONFIRM_DAYS)).strftime("%Y-%m-%d %H:%M:%S")
     conn = connect(db)
     try:
         with transaction(conn):
@@ -7795,12 +7801,12 @@ _SITE_LOCAL = ipaddress.ip_network("fec0::/10")
 _UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
 
 
-class ProviderAuthError(Exception):
+class _ProviderAuthError(Exception):
     """A provider callback that is not authentic: unsigned, forged, altered
     or replayed too late.  The route answers it with 401."""
 
 
-def new_webhook_secret():
+def _new_webhook_secret():
     """A new webhook signing secret: ``whsec_`` and the base64 of 32 random
     bytes, the form Standard Webhooks libraries read."""
     return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
@@ -7817,7 +7823,7 @@ def _webhook_key(secret):
     return key
 
 
-def sign_webhook(secret, msg_id, timestamp, body):
+def _sign_webhook(secret, msg_id, timestamp, body):
     """The Standard Webhooks headers for one delivery.
 
     :param secret: the webhook's secret (``whsec_...``, from new_webhook_secret()).
@@ -7961,7 +7967,7 @@ def _resolve(host, port, deadline):
     if thread.is_alive():
         raise TimeoutError(f"the host {host} did not resolve in time")
     if "error" in answer:
-        raise UnresolvedHost(f"The URL's host {host} cannot be resolved ({answer['error']}).")
+        raise _UnresolvedHost(f"The URL's host {host} cannot be resolved ({answer['error']}).")
     return answer["infos"]
 
 
@@ -7986,11 +7992,11 @@ def _checked_addresses(host, port, allow_private, deadline):
     return addresses
 
 
-class UnresolvedHost(ValueError):
+class _UnresolvedHost(ValueError):
     """A webhook URL whose host does not resolve (now: DNS may change)."""
 
 
-def check_webhook_url(url, allow_private=False, timeout=10.0):
+def _check_webhook_url(url, allow_private=False, timeout=10.0):
     """Check a webhook URL before storing it: http or https, a host, no user
     name or password, and every address the host resolves to public.
 
@@ -8005,7 +8011,7 @@ def check_webhook_url(url, allow_private=False, timeout=10.0):
     try:
         addresses = _checked_addresses(host, port, allow_private, time.monotonic() + timeout)
     except TimeoutError:
-        raise UnresolvedHost(f"The URL's host {host} did not resolve within {timeout:g} "
+        raise _UnresolvedHost(f"The URL's host {host} did not resolve within {timeout:g} "
                              "seconds.") from None
     return [sockaddr[0] for _family, sockaddr in addresses]
 
@@ -8149,7 +8155,7 @@ def _exchange_failure(error, timeout):
     return text[0].lower() + text[1:].rstrip(".")
 
 
-def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
+def _post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
                  max_response=65536, context=None):
     """POST one signed event to a webhook receiver.
 
@@ -8188,7 +8194,7 @@ def post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
     return status, f"the receiver answered {status}"
 
 
-def fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
+def _fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
     """GET an https URL's body, with post_webhook()'s guards (checked address,
     one deadline, no redirects, bounded size).  The default ``fetch`` of
     _parse_sns_callback() for signing certificates and subscription confirmations.
@@ -8225,12 +8231,12 @@ def fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_byt
 
 #: Seconds a signed provider callback stays acceptable (Mailgun, SendGrid);
 #: older ones are replays.
-PROVIDER_MAX_AGE = 15 * 60
+_PROVIDER_MAX_AGE = 15 * 60
 #: SNS retries an HTTP delivery for at most an hour, so its messages may be
 #: that old, plus the same margin for clocks.
-SNS_MAX_AGE = 3600 + PROVIDER_MAX_AGE
+_SNS_MAX_AGE = 3600 + _PROVIDER_MAX_AGE
 #: Where an SNS signing certificate or subscription URL may live (host[:port]).
-SNS_CERT_HOST = r"sns\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?"
+_SNS_CERT_HOST = r"sns\.[a-z0-9-]+\.amazonaws\.com(?:\.cn)?"
 
 
 def _crypto():
@@ -8275,7 +8281,7 @@ def _event(email, kind, reason, message_id):
 def _fresh(seconds, max_age, what):
     """ProviderAuthError unless ``seconds`` (epoch) is within ``max_age`` of now."""
     if abs(time.time() - seconds) > max_age:
-        raise ProviderAuthError(f"The {what} is more than {max_age // 60} minutes from now:"
+        raise _ProviderAuthError(f"The {what} is more than {max_age // 60} minutes from now:"
                                 " a replay, or a clock that is wrong.")
 
 
@@ -8310,7 +8316,7 @@ def _sns_url(url, pattern, what):
         parts = None
     if parts is None or parts.scheme != "https" or "@" in parts.netloc or \
             not re.fullmatch(pattern, parts.netloc):
-        raise ProviderAuthError(f"The {what} {url!r} is not an https URL of Amazon SNS.")
+        raise _ProviderAuthError(f"The {what} {url!r} is not an https URL of Amazon SNS.")
     return url
 
 
@@ -8323,9 +8329,9 @@ def _sns_key(url, fetch):
     try:
         key = crypto.x509.load_pem_x509_certificate(fetch(url)).public_key()
     except Exception as error:  # noqa: BLE001 -- fetch is the caller's; any failure: unverifiable
-        raise ProviderAuthError(f"The SNS signing certificate could not be read: {error}") from None
+        raise _ProviderAuthError(f"The SNS signing certificate could not be read: {error}") from None
     if not isinstance(key, crypto.rsa.RSAPublicKey):
-        raise ProviderAuthError("The SNS signing certificate has no RSA key.")
+        raise _ProviderAuthError("The SNS signing certificate has no RSA key.")
     with _SNS_CERTS_LOCK:
         if len(_SNS_CERTS) >= 64:
             _SNS_CERTS.pop(next(iter(_SNS_CERTS)))
@@ -8337,13 +8343,13 @@ def _sns_verify(message, fetch, pattern):
     signature, version = message.get("Signature"), message.get("SignatureVersion")
     cert_url = message.get("SigningCertURL")
     if not (isinstance(signature, str) and signature and cert_url):
-        raise ProviderAuthError("The SNS message is not signed.")
+        raise _ProviderAuthError("The SNS message is not signed.")
     if version not in ("1", "2"):
-        raise ProviderAuthError(f"The SNS SignatureVersion {version!r} is not known (1 or 2).")
+        raise _ProviderAuthError(f"The SNS SignatureVersion {version!r} is not known (1 or 2).")
     try:
         signature = base64.b64decode(signature, validate=True)
     except (binascii.Error, ValueError):
-        raise ProviderAuthError("The SNS signature is not base64.") from None
+        raise _ProviderAuthError("The SNS signature is not base64.") from None
     canonical = "".join(f"{name}\n{message[name]}\n" for name in _SNS_SIGNED_FIELDS[message["Type"]]
                         if message.get(name) is not None)
     key = _sns_key(_sns_url(cert_url, pattern, "SigningCertURL"), fetch)
@@ -8352,7 +8358,7 @@ def _sns_verify(message, fetch, pattern):
     try:
         key.verify(signature, canonical.encode("utf-8"), crypto.padding.PKCS1v15(), digest)
     except crypto.InvalidSignature:
-        raise ProviderAuthError("The SNS signature does not match the message.") from None
+        raise _ProviderAuthError("The SNS signature does not match the message.") from None
 
 
 def _ses_events(notification):
@@ -8385,7 +8391,7 @@ def _ses_events(notification):
     return events
 
 
-def _parse_sns_callback(body, *, topic_arns, fetch=fetch_https, cert_url_pattern=SNS_CERT_HOST):
+def _parse_sns_callback(body, *, topic_arns, fetch=_fetch_https, cert_url_pattern=_SNS_CERT_HOST):
     """Read an Amazon SNS delivery to ``/v1/bounce/ses``: SES bounce and
     complaint notifications, and subscription confirmations (confirmed here by
     fetching their SubscribeURL).
@@ -8414,7 +8420,7 @@ def _parse_sns_callback(body, *, topic_arns, fetch=fetch_https, cert_url_pattern
     for name in _SNS_SIGNED_FIELDS[kind]:
         _text(message.get(name), f"The SNS field {name}", required=name != "Subject")
     if message["TopicArn"] not in topic_arns:
-        raise ProviderAuthError(f"The SNS topic {message['TopicArn']} is not one accepted here.")
+        raise _ProviderAuthError(f"The SNS topic {message['TopicArn']} is not one accepted here.")
     _sns_verify(message, fetch, cert_url_pattern)
     try:
         sent = datetime.datetime.fromisoformat(message["Timestamp"])
@@ -8423,7 +8429,7 @@ def _parse_sns_callback(body, *, topic_arns, fetch=fetch_https, cert_url_pattern
         seconds = None
     if seconds is None:
         raise ValueError("The SNS Timestamp is not an ISO 8601 time with its zone.")
-    _fresh(seconds, SNS_MAX_AGE, "SNS message's Timestamp")
+    _fresh(seconds, _SNS_MAX_AGE, "SNS message's Timestamp")
     if kind == "SubscriptionConfirmation":
         url = _sns_url(message["SubscribeURL"], cert_url_pattern, "SubscribeURL")
         try:
@@ -8451,22 +8457,22 @@ def _parse_mailgun_callback(body, signing_key):
     :raises ValueError: not JSON or not shaped like a Mailgun webhook.
     """
     if not signing_key:
-        raise ProviderAuthError("No Mailgun signing key is configured.")
+        raise _ProviderAuthError("No Mailgun signing key is configured.")
     call = _mapping(_json_body(body), "The Mailgun call")
     signed = call.get("signature")
     if not isinstance(signed, dict):
-        raise ProviderAuthError("The Mailgun call is not signed.")
+        raise _ProviderAuthError("The Mailgun call is not signed.")
     timestamp, token, signature = (signed.get(name) for name in ("timestamp", "token", "signature"))
     if isinstance(timestamp, int) and not isinstance(timestamp, bool):
         timestamp = str(timestamp)
     if not all(isinstance(v, str) and v for v in (timestamp, token, signature)) or \
             not _is_seconds(timestamp):
-        raise ProviderAuthError("The Mailgun signature needs a timestamp, token and signature.")
+        raise _ProviderAuthError("The Mailgun signature needs a timestamp, token and signature.")
     expected = hmac.new(signing_key.encode("utf-8"), (timestamp + token).encode("utf-8"),
                         hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected.encode(), signature.lower().encode("utf-8")):
-        raise ProviderAuthError("The Mailgun signature does not match.")
-    _fresh(int(timestamp), PROVIDER_MAX_AGE, "Mailgun signature's timestamp")
+        raise _ProviderAuthError("The Mailgun signature does not match.")
+    _fresh(int(timestamp), _PROVIDER_MAX_AGE, "Mailgun signature's timestamp")
     data = _mapping(call.get("event-data"), "The Mailgun event-data")
     event, severity = data.get("event"), data.get("severity")
     message = data.get("message")
@@ -8504,16 +8510,16 @@ def _parse_postmark_callback(body, authorization_header, credentials):
     :raises ValueError: not JSON or not shaped like a Postmark webhook.
     """
     if not credentials:
-        raise ProviderAuthError("No Postmark credentials are configured.")
+        raise _ProviderAuthError("No Postmark credentials are configured.")
     scheme, _space, encoded = (authorization_header or "").strip().partition(" ")
     try:
         given = base64.b64decode(encoded.strip(), validate=True)
     except (binascii.Error, ValueError):
         given = b""
     if scheme.lower() != "basic" or not given:
-        raise ProviderAuthError("The Postmark call has no basic credentials.")
+        raise _ProviderAuthError("The Postmark call has no basic credentials.")
     if not hmac.compare_digest(given, credentials.encode("utf-8")):
-        raise ProviderAuthError("The Postmark credentials are wrong.")
+        raise _ProviderAuthError("The Postmark credentials are wrong.")
     record = _mapping(_json_body(body), "The Postmark call")
     record_type, kind = record.get("RecordType"), record.get("Type")
     kind = kind if isinstance(kind, str) else None
@@ -8566,20 +8572,20 @@ def _parse_sendgrid_callback(body, signature_header, timestamp_header, public_ke
     """
     key = _load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
     if not signature_header or not timestamp_header:
-        raise ProviderAuthError("The SendGrid call is not signed.")
+        raise _ProviderAuthError("The SendGrid call is not signed.")
     if not _is_seconds(timestamp_header):
-        raise ProviderAuthError("The SendGrid timestamp is not a number.")
+        raise _ProviderAuthError("The SendGrid timestamp is not a number.")
     try:
         signature = base64.b64decode(signature_header.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise ProviderAuthError("The SendGrid signature is not base64.") from None
+        raise _ProviderAuthError("The SendGrid signature is not base64.") from None
     crypto = _crypto()
     try:
         key.verify(signature, timestamp_header.encode("ascii") + _as_bytes(body),
                    crypto.ec.ECDSA(crypto.hashes.SHA256()))
     except crypto.InvalidSignature:
-        raise ProviderAuthError("The SendGrid signature does not match.") from None
-    _fresh(int(timestamp_header), PROVIDER_MAX_AGE, "SendGrid timestamp")
+        raise _ProviderAuthError("The SendGrid signature does not match.") from None
+    _fresh(int(timestamp_header), _PROVIDER_MAX_AGE, "SendGrid timestamp")
     calls = _json_body(body)
     if not isinstance(calls, list):
         raise ValueError("The SendGrid call is not a JSON array of events.")
@@ -8604,16 +8610,16 @@ def _parse_sendgrid_callback(body, signature_header, timestamp_header, public_ke
 #: Bytes of a bounce that are read; the rest, nearly always the tail of the
 #: returned original (whose headers come first), is cut so that a huge
 #: message cannot hold a worker: flufl.bounce's heuristics read every line.
-BOUNCE_MAX_BYTES = 128 * 1024
+_BOUNCE_MAX_BYTES = 128 * 1024
 #: flufl.bounce's heuristics (forty patterns, each over every line) read only
 #: this head of a message: the notice of a plain-text bounce comes first.
-BOUNCE_SCAN_BYTES = 16 * 1024
+_BOUNCE_SCAN_BYTES = 16 * 1024
 #: More multipart containers, or more lines that could delimit parts, than any
 #: bounce has: such a message is taken as none unread, since the email
 #: parser's cost grows with nesting depth times lines (seconds for 100 KB).
-BOUNCE_MAX_CONTAINERS, BOUNCE_MAX_DELIMITERS = 20, 300
+_BOUNCE_MAX_CONTAINERS, _BOUNCE_MAX_DELIMITERS = 20, 300
 #: A bounce mailbox run reads at most this many messages, each at most this big.
-MAILBOX_MAX_MESSAGES, MAILBOX_MAX_BYTES = 1000, 10 * 1024 * 1024
+_MAILBOX_MAX_MESSAGES, _MAILBOX_MAX_BYTES = 1000, 10 * 1024 * 1024
 
 # Headers of a bounce that carry the address it was sent to (the VERP address
 # when it came back to our envelope sender), most specific first.
@@ -8854,7 +8860,7 @@ def _detected_failures(msg, original):
     try:
         temporary, permanent = flufl.bounce.all_failures(msg)
     except Exception:  # a detector's bug must not hide the VERP fallback
-        log.debug("flufl.bounce failed on a message", exc_info=True)
+        _log.debug("flufl.bounce failed on a message", exc_info=True)
         return None
     addresses = permanent or temporary
     if not addresses:
@@ -8890,15 +8896,15 @@ def _no_bounce(reason):
 def _classify(raw, secret):
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogateescape")
-    raw = bytes(raw[:BOUNCE_MAX_BYTES])
-    if (raw.lower().count(b"multipart/") > BOUNCE_MAX_CONTAINERS
-            or raw.count(b"\n--") + raw.count(b"\r--") > BOUNCE_MAX_DELIMITERS):
+    raw = bytes(raw[:_BOUNCE_MAX_BYTES])
+    if (raw.lower().count(b"multipart/") > _BOUNCE_MAX_CONTAINERS
+            or raw.count(b"\n--") + raw.count(b"\r--") > _BOUNCE_MAX_DELIMITERS):
         return _no_bounce("more MIME parts than a bounce has")
     # The compat32 policy, as flufl.bounce expects; it never raises on bad headers.
     msg = email.message_from_bytes(raw)
     # flufl.bounce's detectors call str methods on headers, which compat32
     # gives as Header objects when they hold 8-bit bytes: they read text.
-    head = email.message_from_string(raw[:BOUNCE_SCAN_BYTES].decode("utf-8", "replace"))
+    head = email.message_from_string(raw[:_BOUNCE_SCAN_BYTES].decode("utf-8", "replace"))
     original = _returned_message(msg)
     blocks = [block for part in _parts(msg)
               if part.get_content_type() in ("message/delivery-status", "message/global-delivery-status",
@@ -8940,7 +8946,7 @@ def classify_bounce(raw, secret=None):
     try:
         return _classify(raw, secret)
     except Exception:  # a message no parser can read is no bounce
-        log.warning("a bounce message could not be read; taken as no bounce", exc_info=True)
+        _log.warning("a bounce message could not be read; taken as no bounce", exc_info=True)
         return _no_bounce(_UNREADABLE)
 
 
@@ -8980,8 +8986,8 @@ def _imap_quote(folder):
 
 
 def read_bounce_mailbox(host, port, user, password, *, folder="INBOX", ssl=False, handle,
-                        timeout=30, ssl_context=None, max_messages=MAILBOX_MAX_MESSAGES,
-                        max_bytes=MAILBOX_MAX_BYTES):
+                        timeout=30, ssl_context=None, max_messages=_MAILBOX_MAX_MESSAGES,
+                        max_bytes=_MAILBOX_MAX_BYTES):
     """Read a bounce mailbox over IMAP: every message is passed to
     ``handle(raw_bytes)``; those it returns True for are deleted (flagged
     ``\\Deleted``, expunged at the end), the others are left and logged.
@@ -9027,7 +9033,7 @@ def read_bounce_mailbox(host, port, user, password, *, folder="INBOX", ssl=False
     finally:
         with contextlib.suppress(OSError, imaplib.IMAP4.error):
             imap.logout()
-    log.info("bounce mailbox %s@%s:%s/%s: %d processed, %d left", user, host, port, folder,
+    _log.info("bounce mailbox %s@%s:%s/%s: %d processed, %d left", user, host, port, folder,
              processed, left)
     return {"processed": processed, "left": left}
 
@@ -9036,20 +9042,20 @@ def _handle_one(imap, uid, handle, max_bytes):
     """Whether ``handle`` processed the message with ``uid``."""
     match = re.search(rb"RFC822\.SIZE (\d+)", _imap_fetch(imap, uid, "RFC822.SIZE")[0])
     if match and int(match[1]) > max_bytes:
-        log.warning("bounce mailbox: message %s is %s bytes, more than %d; left unread",
+        _log.warning("bounce mailbox: message %s is %s bytes, more than %d; left unread",
                     uid.decode(), match[1].decode(), max_bytes)
         return False
     raw = _imap_fetch(imap, uid, "BODY.PEEK[]")[1]
     if raw is None:
-        log.warning("bounce mailbox: message %s has no body; left", uid.decode())
+        _log.warning("bounce mailbox: message %s has no body; left", uid.decode())
         return False
     try:
         done = handle(raw)
     except Exception:  # one bad message must not stop the run
-        log.exception("bounce mailbox: message %s could not be handled; left", uid.decode())
+        _log.exception("bounce mailbox: message %s could not be handled; left", uid.decode())
         return False
     if not done:
-        log.warning("bounce mailbox: message %s was not understood; left", uid.decode())
+        _log.warning("bounce mailbox: message %s was not understood; left", uid.decode())
     return bool(done)
 
 
@@ -9057,9 +9063,9 @@ def _handle_one(imap, uid, handle, max_bytes):
 
 #: The largest body the bounce routes read: far above any bounce of ours
 #: (only the head of a message is read anyway); larger ones are 413 unread.
-BOUNCE_MAX_BODY = 2 * 1024 * 1024
+_BOUNCE_MAX_BODY = 2 * 1024 * 1024
 #: Seconds between two reads of the bounce mailbox by the worker.
-MAILBOX_INTERVAL = 60
+_MAILBOX_INTERVAL = 60
 
 
 # The bounce mailbox, read by the command and the worker -----------------------
@@ -9079,7 +9085,7 @@ def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=Fals
     :raises MailboxError: the server cannot be reached, refuses the login or
         has no such folder.
     """
-    host, port = server_address(imap, "the IMAP server")
+    host, port = _server_address(imap, "the IMAP server")
     conn = connect(db)
     try:
         # No stored secret yet: nothing was signed, so no report can name an email.
@@ -9091,7 +9097,7 @@ def process_bounce_mailbox(db, imap, user, password, *, folder="INBOX", ssl=Fals
                 return False
             with transaction(conn):
                 answer = apply_bounce(conn, report, secret=secret)
-            log.info("bounce mailbox: %s for %s (%s)", answer["type"],
+            _log.info("bounce mailbox: %s for %s (%s)", answer["type"],
                      answer["email"] or "no known address", report["reason"])
             return True
 
@@ -9112,7 +9118,7 @@ _RAW_TYPES = ("message/rfc822", "message/global")
 
 def _bounce_body(call):
     """The raw body of a bounce route, refused (413) over the bounce limit unread."""
-    return _read_body(bottle.request.environ, min(call.service.config["max_body"], BOUNCE_MAX_BODY))
+    return _read_body(bottle.request.environ, min(call.service.config["max_body"], _BOUNCE_MAX_BODY))
 
 
 def _bounce_post(call):
@@ -9147,7 +9153,7 @@ def _provider_callback(call, setting, read):
     body, secret = _bounce_body(call), call.service.secret
     try:
         events = read(body)
-    except ProviderAuthError as error:
+    except _ProviderAuthError as error:
         raise Unauthorized(str(error)) from None
     except _NotJson as error:
         raise InvalidJson(str(error)) from None
@@ -9192,17 +9198,17 @@ def _bounce_sendgrid(call):
 #: seconds while it works, and confirms it before each SMTP attempt; one not
 #: renewed for STALE_CLAIM belongs to a worker that died, and its rows go back
 #: to the queue (the one in flight is failed).
-STALE_CLAIM = datetime.timedelta(seconds=30)
-CLAIM_RENEW = 5
+_STALE_CLAIM = datetime.timedelta(seconds=30)
+_CLAIM_RENEW = 5
 _INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
                 "not sent again, so that it cannot arrive twice")
 #: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
-RETRY_BASE, RETRY_CAP = 30, 3600
+_RETRY_BASE, _RETRY_CAP = 30, 3600
 #: Seconds before rows are tried again after the SMTP server could not be reached.
-CONNECTION_RETRY = 30
-MAX_ATTEMPTS = 8
+_CONNECTION_RETRY = 30
+_MAX_ATTEMPTS = 8
 #: Seconds between progress lines in the log while a delivery runs.
-PROGRESS_INTERVAL = 10
+_PROGRESS_INTERVAL = 10
 
 
 def _time_text(moment):
@@ -9323,7 +9329,7 @@ class _Courier:
     def claim(self):
         due = self.run.now or _now()
         with transaction(self.conn):
-            if time.monotonic() - self.looked >= CLAIM_RENEW:
+            if time.monotonic() - self.looked >= _CLAIM_RENEW:
                 # While busy, also hand a dead worker's rows back to the queue.
                 self.looked = time.monotonic()
                 _take_back(self.conn, _time_text(self.run.now) if self.run.now else _now(),
@@ -9377,7 +9383,7 @@ class _Courier:
         results.clear()
         bounces.clear()
         if pending:
-            run_callbacks(self.run.on_event, pending)
+            _run_callbacks(self.run.on_event, pending)
         return mine
 
     # Building the emails.
@@ -9406,14 +9412,14 @@ class _Courier:
                     "subject", "html", "text")}, "tracked": None}
             campaign = {"id": batch["campaign"], "owner": batch["owner"],
                         "accountprofile": batch["accountprofile"]}
-            letter = message_letter(self.conn, campaign, message, sent_as,
+            letter = _message_letter(self.conn, campaign, message, sent_as,
                                     batch["base_url"] or self.run.public_url, self.run.mail_from)
             letter.links = None  # tracked: how many links the batch keeps
             if batch["tracking"] and letter.base and sent_as["html"]:
                 if sent_as["tracked"] is not None:   # prepared when the batch was made
                     letter.html, letter.links = _Template(sent_as["tracked"]), sent_as["links"]
                 else:   # a batch made before version 5 kept only its links
-                    tracked, links = track_html(sent_as["html"])
+                    tracked, links = _track_html(sent_as["html"])
                     letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
         return letter
@@ -9421,7 +9427,7 @@ class _Courier:
     def datasource_fields(self, datasource):
         fields = self.fields.get(datasource)
         if fields is None:
-            fields = self.fields[datasource] = datasource_fields(self.conn, datasource)
+            fields = self.fields[datasource] = _datasource_fields(self.conn, datasource)
         return fields
 
     def build(self, row, recipients):
@@ -9431,7 +9437,7 @@ class _Courier:
         if row["kind"] != "campaign":
             # Ready-made: its sender, if any, is on the row (a sign-up's emails
             # go as the datasource's sender profile, a test send's as the campaign's).
-            letter = Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
+            letter = _Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
                             row["body"] or "", row["html"] or "", from_name=row["fromname"] or "",
                             reply_to=row["replyto"] or "", templated=False)
             return letter.sender, letter.build(row["to_addr"])
@@ -9439,13 +9445,13 @@ class _Courier:
         if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
             return None
         letter = self.campaign_letter(row["batch"], row["message"])
-        values = recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
+        values = _recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
         if letter.links is not None:
-            values.update(tracking_values(self.run.secret, letter.base, row["id"], letter.links))
+            values.update(_tracking_values(self.run.secret, letter.base, row["id"], letter.links))
         # Signed with the outbox id, so that a bounce or complaint that comes
         # back later names this email: in the envelope sender (VERP, with a
         # bounce domain) and in the Message-ID that reports quote.
-        sender, data = recipient_email(
+        sender, data = _recipient_email(
             letter, self.run.secret, row["to_addr"], values, row["recipient"],
             message_id=message_id_for(self.run.secret, row["id"], letter.domain))
         if self.run.bounce_domain:
@@ -9461,10 +9467,10 @@ class _Courier:
                 "html": row["html"] or ""}
         letter = _campaign_letter(row, sent, row["campaign"], row["account"],
                                   row["base_url"] or self.run.public_url, self.run.mail_from)
-        values = {"email": row["to_addr"]} if recipient is None else recipient_values(
+        values = {"email": row["to_addr"]} if recipient is None else _recipient_values(
             self.datasource_fields(recipient["datasource"]), recipient)
         own = recipient is not None and recipient["email"] == row["to_addr"]
-        return recipient_email(letter, self.run.secret, row["to_addr"], values,
+        return _recipient_email(letter, self.run.secret, row["to_addr"], values,
                                recipient["id"] if own else None)
 
     # The SMTP side.
@@ -9552,12 +9558,12 @@ class _Courier:
             if unreachable or run.stop.is_set():
                 # Not tried: back to the queue as it was (later if the server is down).
                 outcome(row, "requeued", "queued", row["attempts"],
-                        unreachable and _shift(_now(), CONNECTION_RETRY), unreachable)
+                        unreachable and _shift(_now(), _CONNECTION_RETRY), unreachable)
                 continue
             try:
                 built = self.build(row, recipients)
             except Exception as error:  # bad data in this row must not stop the others
-                log.exception("outbox %s cannot be built", row["id"])
+                _log.exception("outbox %s cannot be built", row["id"])
                 outcome(row, "failed", "failed", attempts, error=f"cannot build the email: {error}")
                 continue
             if built is None:
@@ -9569,7 +9575,7 @@ class _Courier:
             if run.sign:
                 data = run.sign(data)
             if not self.record(results, bounces, attempting=row["id"]):
-                log.warning("outbox %s: this worker's claim ran out and was taken back; "
+                _log.warning("outbox %s: this worker's claim ran out and was taken back; "
                             "left to the others", row["id"])
                 continue
             try:
@@ -9581,7 +9587,7 @@ class _Courier:
             except _Unreachable as error:
                 unreachable = str(error)
                 outcome(row, "requeued", "queued", row["attempts"],
-                        _shift(_now(), CONNECTION_RETRY), unreachable)
+                        _shift(_now(), _CONNECTION_RETRY), unreachable)
                 continue
             if reply is None:
                 outcome(row, "sent", "sent", attempts, sent=_now())
@@ -9589,7 +9595,7 @@ class _Courier:
             code, text = reply
             error = f"{code} {text}"
             if 400 <= code < 500 and attempts < run.max_attempts:
-                delay = min(RETRY_BASE * 2 ** row["attempts"], RETRY_CAP)
+                delay = min(_RETRY_BASE * 2 ** row["attempts"], _RETRY_CAP)
                 outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
                 continue
             outcome(row, "failed", "failed", attempts, error=error)
@@ -9618,9 +9624,9 @@ def _take_back(conn, now, stale_claim):
                  "claimed_at = NULL WHERE status = 'sending' AND claimed_at < ?", (stale,))
 
 
-def smtp_address(smtp):
+def _smtp_address(smtp):
     """``(host, port)`` of a ``"host:port"`` setting ("[::1]:25" for IPv6)."""
-    return server_address(smtp, "the SMTP server")
+    return _server_address(smtp, "the SMTP server")
 
 
 class _Run:
@@ -9628,7 +9634,7 @@ class _Run:
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
                  sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
-                 on_event=None, bounce_domain="", stale_claim=STALE_CLAIM):
+                 on_event=None, bounce_domain="", stale_claim=_STALE_CLAIM):
         self.db = db
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
@@ -9643,7 +9649,7 @@ class _Run:
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
         self.reported = dict(self.counts)
-        self.next_report = time.monotonic() + PROGRESS_INTERVAL
+        self.next_report = time.monotonic() + _PROGRESS_INTERVAL
 
     def add(self, counts, error):
         with self.lock:
@@ -9656,23 +9662,23 @@ class _Run:
     def report(self):
         """Log progress of a long delivery: what this interval did, and the totals."""
         done = {name: self.counts[name] - self.reported[name] for name in self.counts}
-        self.reported, self.next_report = dict(self.counts), time.monotonic() + PROGRESS_INTERVAL
+        self.reported, self.next_report = dict(self.counts), time.monotonic() + _PROGRESS_INTERVAL
         conn = connect(self.db)
         try:
             queued = conn.execute("SELECT count(*) FROM outbox WHERE status IN "
                                   "('queued', 'sending')").fetchone()[0]
         finally:
             conn.close()
-        log.info("delivery progress: %s sent, %s failed, %s retried in the last %ss; "
+        _log.info("delivery progress: %s sent, %s failed, %s retried in the last %ss; "
                  "%s sent and %s failed in all; %s still queued", done["sent"], done["failed"],
-                 done["retried"], PROGRESS_INTERVAL, self.counts["sent"], self.counts["failed"],
+                 done["retried"], _PROGRESS_INTERVAL, self.counts["sent"], self.counts["failed"],
                  queued)
 
 
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
-            mail_from=None, secret=None, max_attempts=MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None, stale_claim=STALE_CLAIM, on_event=None, bounce_domain=""):
+            mail_from=None, secret=None, max_attempts=_MAX_ATTEMPTS, timeout=60, now=None,
+            stop=None, stale_claim=_STALE_CLAIM, on_event=None, bounce_domain=""):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
@@ -9710,7 +9716,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         VERP envelope sender ``bounces+TOKEN@bounce_domain``.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
-    address = smtp_address(smtp)
+    address = _smtp_address(smtp)
     conn = connect(db)
     try:
         if secret is None:
@@ -9737,7 +9743,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         db, address, starttls=starttls, username=username, password=password, rate=rate,
         chunk=chunk, worker_id=worker_id or f"{socket.gethostname()}:{os.getpid()}",
         sign=dkim_signer(*dkim) if dkim else None, public_url=public_url or "",
-        mail_from=mail_from or default_mail_from(), secret=secret, max_attempts=max_attempts,
+        mail_from=mail_from or _default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
         stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain,
         stale_claim=stale_claim)
@@ -9758,14 +9764,14 @@ def _renew_leases(run, done):
     writing at that moment is skipped, not waited for (on PostgreSQL waiting
     would deadlock with the courier's own transaction); it is renewed next time."""
     conn = None
-    while not done.wait(CLAIM_RENEW):
+    while not done.wait(_CLAIM_RENEW):
         try:
             conn = conn or connect(run.db)
             conn.execute("UPDATE outbox SET claimed_at = ? WHERE id IN (SELECT id FROM outbox "
                          "WHERE status = 'sending' AND claimed_by = ? "
                          f"{conn.sql['skip_locked']})", (_now(), run.worker_id))
         except Exception as error:   # a lost lease is refused before sending anyway
-            log.warning("renewing this worker's claims failed: %s", error)
+            _log.warning("renewing this worker's claims failed: %s", error)
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
@@ -9807,16 +9813,16 @@ def _run_couriers(couriers):
 # webhook-id and body, signed afresh with the time of the try.
 
 #: Seconds one POST may take, DNS and connecting included.
-HOOK_TIMEOUT = 10.0
+_HOOK_TIMEOUT = 10.0
 #: A claim older than this is a dead worker's: the delivery is taken back.
 #: Much longer than a live worker holds one (one round of posts, HOOK_TIMEOUT).
-HOOK_LEASE = datetime.timedelta(seconds=60)
+_HOOK_LEASE = datetime.timedelta(seconds=60)
 #: After a failed try: again HOOK_RETRY_BASE * 2**(tries - 1) seconds later,
 #: at most HOOK_RETRY_CAP apart, until HOOK_GIVE_UP after the event; then failed.
-HOOK_RETRY_BASE, HOOK_RETRY_CAP = 30, 3600
-HOOK_GIVE_UP = datetime.timedelta(hours=24)
+_HOOK_RETRY_BASE, _HOOK_RETRY_CAP = 30, 3600
+_HOOK_GIVE_UP = datetime.timedelta(hours=24)
 #: Deliveries posted at once (to different webhooks) by one deliver_webhooks().
-HOOK_CONNECTIONS = 8
+_HOOK_CONNECTIONS = 8
 
 _HOOK_COUNTS = ("delivered", "retried", "failed")
 
@@ -9835,9 +9841,9 @@ def _webhook_values(call, row):
     if "url" in call.params:
         # The DNS lookup runs in the request's transaction: bounded, and short.
         try:
-            check_webhook_url(call.params["url"], timeout=5.0,
+            _check_webhook_url(call.params["url"], timeout=5.0,
                               allow_private=call.service.config["webhook_allow_private"])
-        except UnresolvedHost as error:   # the request may be right; the DNS says no
+        except _UnresolvedHost as error:   # the request may be right; the DNS says no
             raise Conflict(str(error), field="url") from None
         except ValueError as error:
             raise InvalidParameter(str(error), field="url") from None
@@ -9851,7 +9857,7 @@ def _webhook_values(call, row):
                 f"leave it empty for every kind.", field="events", allowed=list(EVENT_KINDS))
         values["events"] = _to_json(list(dict.fromkeys(events)))
     if row is None:
-        values["secret"] = new_webhook_secret()
+        values["secret"] = _new_webhook_secret()
     return values
 
 
@@ -9887,7 +9893,7 @@ _PRIVATE_IPV4 = (("0",), ("10",), ("127",), ("169", "254"), ("172", "(1[6-9]|2[0
 _PRIVATE_IPV6 = r"::1?|[fF][c-fC-F][0-9a-fA-F]{2}:[^\]]*"
 
 
-def webhook_url_schema(allow_private=False):
+def _webhook_url_schema(allow_private=False):
     """The JSON schema of a webhook's ``url`` as the server takes it: http or
     https, a host, no user name; and, under ``not``, the URLs whose host is
     itself an address a webhook may not call (a literal address, or
@@ -9923,15 +9929,15 @@ WEBHOOK = Resource(
                 "loopback, private, link-local or reserved address is refused (400) unless the "
                 "setting webhook_allow_private allows them, and a cloud metadata address always "
                 "is; the schema's 'not' names the literal ones. A host that does not resolve is "
-                "409.", "https://hooks.example.com/campaigns", webhook_url_schema()),
+                "409.", "https://hooks.example.com/campaigns", _webhook_url_schema()),
         "events": ("The event kinds the webhook gets; empty: every kind.",
                    ["recipient.unsubscribed"], {"items": {"type": "string",
                                                           "enum": list(EVENT_KINDS)}}),
         "enabled": ("1: events are sent; 0: they wait (paused).", "1")})
 
 
-def deliver_webhooks(db, *, allow_private=False, timeout=HOOK_TIMEOUT, lease=HOOK_LEASE,
-                     connections=HOOK_CONNECTIONS, now=None, worker_id=None, stop=None):
+def deliver_webhooks(db, *, allow_private=False, timeout=_HOOK_TIMEOUT, lease=_HOOK_LEASE,
+                     connections=_HOOK_CONNECTIONS, now=None, worker_id=None, stop=None):
     """Post the stored events that are due to their webhooks; returns counts.
 
     Only the oldest pending delivery of each enabled webhook is claimed, so a
@@ -10012,10 +10018,10 @@ def _post_event(row, allow_private, timeout):
     """One try: ``(status, error)`` as post_webhook() answers."""
     body = row["payload"].encode("utf-8")
     try:
-        headers = sign_webhook(row["secret"], f"msg_{row['event']}", time.time(), body)
+        headers = _sign_webhook(row["secret"], f"msg_{row['event']}", time.time(), body)
     except ValueError as error:    # a secret written into the database by hand
         return None, str(error)
-    return post_webhook(row["url"], headers, body, allow_private=allow_private, timeout=timeout)
+    return _post_webhook(row["url"], headers, body, allow_private=allow_private, timeout=timeout)
 
 
 def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
@@ -10023,7 +10029,7 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
     with transaction(conn):
         for row, (_status, error) in outcomes:
             tries = row["attempts"] + 1
-            deadline = _shift(row["created"], HOOK_GIVE_UP.total_seconds())
+            deadline = _shift(row["created"], _HOOK_GIVE_UP.total_seconds())
             next_try = None
             if error is None:
                 state = counted = "delivered"
@@ -10031,7 +10037,7 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
                 state = counted = "failed"
             else:
                 state, counted = "pending", "retried"
-                delay = min(HOOK_RETRY_BASE * 2 ** (tries - 1), HOOK_RETRY_CAP)
+                delay = min(_HOOK_RETRY_BASE * 2 ** (tries - 1), _HOOK_RETRY_CAP)
                 next_try = min(_shift(attempted, delay), deadline)
             # Only while the claim is still ours: a webhook deleted meanwhile
             # failed the delivery already.
@@ -10072,14 +10078,14 @@ def _make_due_batches(worker):
 
 def _purge_unconfirmed(worker):
     # A bounded delete per round.
-    return remove_unconfirmed(worker.db) > 0
+    return _remove_unconfirmed(worker.db) > 0
 
 
 def _deliver_events(worker):
     counts = deliver_webhooks(worker.db, allow_private=worker.webhook_allow_private,
                               stop=worker.stop_event)
     if any(counts.values()):
-        log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+        _log.info("webhooks: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
     return any(counts.values())
 
 
@@ -10087,7 +10093,7 @@ def _deliver_outbox(worker):
     counts = deliver(worker.db, worker.smtp, stop=worker.stop_event, on_event=worker.on_event,
                      **worker.delivery)
     if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
-        log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
+        _log.info("delivered: %s", ", ".join(f"{v} {k}" for k, v in counts.items()
                                             if v and k != "error"))
     if counts["error"]:
         raise ConnectionError(counts["error"])
@@ -10098,7 +10104,7 @@ def _fetch_bounces(worker):
     try:
         process_bounce_mailbox(worker.db, **worker.bounce_mailbox)
     except MailboxError as error:   # a line, not a traceback, each minute it lasts
-        log.warning("bounce mailbox: %s", error)
+        _log.warning("bounce mailbox: %s", error)
     return False
 
 
@@ -10120,12 +10126,12 @@ class _Step:
 
 #: The worker's due work: a new kind of due work is one more entry.  Threads
 #: start in the order they first appear.
-WORKER_STEPS = (
+_WORKER_STEPS = (
     _Step("batches", _make_due_batches),
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
     _Step("webhooks", _deliver_events),
     _Step("delivery", _deliver_outbox, needs="smtp"),
-    _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=MAILBOX_INTERVAL),
+    _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
 )
 
 
@@ -10141,9 +10147,9 @@ def _repeat(stop, interval, step, name):
             failures += 1
             busy = False
             if isinstance(error, OSError):
-                log.warning("%s: %s", name, error)
+                _log.warning("%s: %s", name, error)
             else:
-                log.exception("%s failed", name)
+                _log.exception("%s failed", name)
         if not busy:
             stop.wait(min(interval * 2 ** min(failures, 6), 60.0))
 
@@ -10178,7 +10184,7 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
     worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
                      templates_dir, bounce_mailbox, delivery)
     lanes = {}   # thread name -> its steps, in the order of WORKER_STEPS
-    for step in WORKER_STEPS:
+    for step in _WORKER_STEPS:
         if step.needs is None or getattr(worker, step.needs):
             lanes.setdefault(step.thread, []).append(step)
     threads = [threading.Thread(
@@ -10202,7 +10208,7 @@ _DIGITS = {"type": "string", "pattern": "^[0-9]+$"}
 
 #: The records that the operations which are not CRUD answer, as JSON
 #: schemas by name (a record kind's schema is its Resource's ``fields``).
-RECORD_SCHEMAS = {
+_RECORD_SCHEMAS = {
     "preview": _record_schema(
         "campaign link recipient subject html text headers",
         headers={"type": "object", "additionalProperties": {"type": "string"}}),
@@ -10219,21 +10225,21 @@ RECORD_SCHEMAS = {
         checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
     "check": _record_schema("check passed message", check={"type": "string"},
                             passed=_FLAG_ANSWER, message={"type": "string"}),
-    "archive": _record_schema("id campaign batches " + " ".join(STATISTICS) + " links timeline",
+    "archive": _record_schema("id campaign batches " + " ".join(_STATISTICS) + " links timeline",
                               batches={"type": "array", "items": _BATCH_SCHEMA},
                               **_STATISTICS_SCHEMAS),
 }
 
 #: Success data of a webhook's create: its id and its signing secret, shown once.
 _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
-                   "properties": {**ANSWER_ID["properties"],
+                   "properties": {**_ANSWER_ID["properties"],
                                   "secret": {"type": "string", "pattern": "^whsec_"}}}
 
 
 def _record_schemas():
     """Every record's JSON schema by name: each kind's, and RECORD_SCHEMAS."""
     return {**{kind.schema: kind.fields for kind in Resource.kinds.values() if kind.fields},
-            **RECORD_SCHEMAS}
+            **_RECORD_SCHEMAS}
 
 
 _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "Delete"}
@@ -10246,7 +10252,7 @@ _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "De
 #: example[, what the schema of its type needs besides, e.g. a list's
 #: items]).  A name used with two meanings reads "word.name" first (the
 #: route's last path word).
-PARAM_DOCS = {
+_PARAM_DOCS = {
     "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
     "offset": ("How many records to skip before the page (default 0).", 0),
     "id": ("The record's id again, as in the path: a guard against deleting or "
@@ -10289,7 +10295,7 @@ def _param_doc(route, name):
     record kind's, else PARAM_DOCS'."""
     word = [word for word in route.path.split("/") if word and "{" not in word][-1]
     doc = (route.kind.doc.get(name) if route.kind else None) \
-        or PARAM_DOCS.get(f"{word}.{name}") or PARAM_DOCS.get(name)
+        or _PARAM_DOCS.get(f"{word}.{name}") or _PARAM_DOCS.get(name)
     if doc is None:     # tests/test_openapi.py asks for one; the document still serves
         return "", None, {}
     description, example, *extra = doc
@@ -10309,8 +10315,8 @@ _PARAM_SCHEMAS = {
     "str": ({"type": "string", "pattern": "^[^\\r\\n\\x00]*$"},) * 2,
     "text": ({"type": "string", "pattern": "^[^\\x00]*$"},) * 2,
     "int": (_INTEGER, {"anyOf": [_INTEGER, {"type": "string", "pattern": "^[0-9]{1,18}$"}]}),
-    "limit": ({"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
-              {"anyOf": [{"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+    "limit": ({"type": "integer", "minimum": 1, "maximum": _PAGE_MAX},
+              {"anyOf": [{"type": "integer", "minimum": 1, "maximum": _PAGE_MAX},
                          {"type": "string", "pattern": "^0*([1-9][0-9]{0,2}|1000)$"}]}),
     "flag": ({"type": "string", "enum": _FLAG_WORDS},
              {"anyOf": [{"type": "boolean"}, {"type": "string", "enum": _FLAG_WORDS},
@@ -10337,7 +10343,7 @@ _PARAM_SCHEMAS = {
 def _param_schema(route, param, in_query, allow_private=False):
     description, example, extra = _param_doc(route, param.name)
     if param.name == "url" and allow_private:   # what a webhook may call is a setting
-        extra = {**extra, **webhook_url_schema(allow_private)}
+        extra = {**extra, **_webhook_url_schema(allow_private)}
     if param.choices is not None:
         schema = {"type": "string", "enum": list(param.choices)}
     else:
@@ -10406,7 +10412,7 @@ def _success_data(route):
     one = {"type": "object", "required": [key], "properties": {key: record}}
     if not any(set(allowed) - {"int", "name"} for allowed in route.ids.values()):
         return one
-    page = records_answer(key, answers)
+    page = _records_answer(key, answers)
     page["required"] = [key, "total", "limit", "offset"]
     return {"oneOf": [one, page]}
 
@@ -10491,7 +10497,7 @@ _PAGE_CONTENT = {"text/html": {"schema": {"type": "string"}}}
 
 
 #: The data of every error: a code, a sentence, and where it helps more.
-ERROR_SCHEMA = {"type": "object", "required": ["error", "message"], "properties": {
+_ERROR_SCHEMA = {"type": "object", "required": ["error", "message"], "properties": {
     "error": {"type": "string", "description": "the error code"},
     "message": {"type": "string", "description": "one sentence a person can act on"},
     "field": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
@@ -10524,8 +10530,8 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
     responses, errors = {}, {}
     for status, codes in _error_codes().items():
         name = f"error{status}"
-        errors[name] = _envelope_schema(False, {**ERROR_SCHEMA, "properties": {
-            **ERROR_SCHEMA["properties"], "error": {"type": "string", "enum": codes}}})
+        errors[name] = _envelope_schema(False, {**_ERROR_SCHEMA, "properties": {
+            **_ERROR_SCHEMA["properties"], "error": {"type": "string", "enum": codes}}})
         responses[str(status)] = {
             "description": f"{bottle.HTTP_CODES.get(status, 'Error')}: {', '.join(codes)}.",
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
@@ -10534,12 +10540,12 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
     document = {
         "openapi": "3.1.0",
         "info": {"title": "campaignapi", "version": __version__,
-                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " " + OPENAPI_RULES},
+                 "description": __doc__.split("\n\n")[1].replace("\n", " ") + " " + _OPENAPI_RULES},
         "paths": paths,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "An API key's secret."}},
-            "schemas": {"error": ERROR_SCHEMA, **errors, **_record_schemas()},
+            "schemas": {"error": _ERROR_SCHEMA, **errors, **_record_schemas()},
             "responses": responses,
         },
         "security": [{"bearer": []}],
@@ -10550,7 +10556,7 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
 
 
 #: The rules every operation shares, at the head of the document.
-OPENAPI_RULES = (
+_OPENAPI_RULES = (
     "Every answer is the envelope {responseId, version, success, data}; the same responseId "
     "is the X-Response-Id header. An error has success false, a real HTTP status, and data "
     "{error, message} with field, allowed, checks or rows where they help. Parameters: GET "
@@ -10593,14 +10599,14 @@ _SIGNUP_ANSWER = {"type": "object", "required": ["status"],
 _SIGNUP_BODY = {"type": "object", "required": ["email"],
                 "properties": {"email": {"type": "string", "format": "email",
                                          "description": "The address that signs up."},
-                               HONEYPOT: {"type": "string", "maxLength": 0,
+                               _HONEYPOT: {"type": "string", "maxLength": 0,
                                           "description": "the honeypot: leave it empty"}},
                 "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
                 "description": "'email' and the datasource's fields by name; other names "
                                "are refused."}
 #: Bodies of the routes that read their own (the pipeline's are made from
 #: the route's parameters).
-_SIGNUP_EXAMPLE = {"email": "ann@example.com", HONEYPOT: ""}
+_SIGNUP_EXAMPLE = {"email": "ann@example.com", _HONEYPOT: ""}
 _SIGNUP_REQUEST = {"required": True, "content": {
     "application/x-www-form-urlencoded": {"schema": _SIGNUP_BODY, "example": _SIGNUP_EXAMPLE},
     "application/json": {"schema": _SIGNUP_BODY, "example": _SIGNUP_EXAMPLE}}}
@@ -10611,18 +10617,18 @@ def _index(call):
     as references relative to the index's own URL (``/v1/``), so they hold
     under any mount prefix or proxy."""
     return {"name": "campaignapi", "version": __version__, "openapi": "openapi.json",
-            "collections": {kind: f"{kind}/all" for kind in INDEX_COLLECTIONS}}
+            "collections": {kind: f"{kind}/all" for kind in _INDEX_COLLECTIONS}}
 
 
-INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
+_INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
 _INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
                  "properties": {
                      "name": {"type": "string"}, "version": {"type": "string"},
                      "openapi": {"type": "string", "format": "uri-reference"},
-                     "collections": {"type": "object", "required": list(INDEX_COLLECTIONS),
+                     "collections": {"type": "object", "required": list(_INDEX_COLLECTIONS),
                                      "properties": {kind: {"type": "string", "format":
                                                            "uri-reference"}
-                                                    for kind in INDEX_COLLECTIONS}}}}
+                                                    for kind in _INDEX_COLLECTIONS}}}}
 
 
 # ---------------------------------------------------------------------------
@@ -10632,7 +10638,7 @@ _INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "c
 # What the bounce routes take and answer, for the OpenAPI document.
 _BOUNCE_ANSWER = {"type": "object", "required": ["bounce"], "properties": {"bounce": {
     "type": "object", "required": ["type", "email", "campaign", "batch"],
-    "properties": {"type": {"enum": list(BOUNCE_TYPES)}, "email": {"type": ["string", "null"]},
+    "properties": {"type": {"enum": list(_BOUNCE_TYPES)}, "email": {"type": ["string", "null"]},
                    "campaign": {"type": ["string", "null"]},
                    "batch": {"type": ["string", "null"]}}}}}
 _RECEIVED_ANSWER = {"type": "object", "required": ["received"],
@@ -10679,7 +10685,7 @@ ROUTES = [
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
           "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",
-          summary="Import recipients", answers=ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
+          summary="Import recipients", answers=_ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
     Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
     Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
     # Not one transaction: _run_export() commits its record around the file.
@@ -10727,7 +10733,7 @@ ROUTES = [
     # timestamp is required unless test is given (a test send goes now).
     Route("PUT",    "/campaign/{parent_id}/send/{child_id}", "create", _campaign_send,
           "timestamp:time test:list", summary="Send the campaign (a new batch), or a test send",
-          answers=ANSWER_ID, body_rules={"oneOf": [{"required": ["timestamp"]},
+          answers=_ANSWER_ID, body_rules={"oneOf": [{"required": ["timestamp"]},
                                                    {"required": ["test"]}]}),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
@@ -10828,9 +10834,9 @@ def create_app(db="campaignapi.db", **config):
     config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
     config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
     init_db(db)
-    service = Service(db, config)
-    service.sns_fetch, service.sns_cert_host = fetch_https, SNS_CERT_HOST
-    service.later = LATER   # the public writes the pipeline may apply later
+    service = _Service(db, config)
+    service.sns_fetch, service.sns_cert_host = _fetch_https, _SNS_CERT_HOST
+    service.later = _LATER   # the public writes the pipeline may apply later
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
@@ -10856,7 +10862,7 @@ def create_app(db="campaignapi.db", **config):
 # ---------------------------------------------------------------------------
 
 #: The format of the lines that log_to_stderr() and the command line write.
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+_LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -10884,7 +10890,7 @@ def log_to_stderr(level=logging.INFO):
         if isinstance(handler, _StderrHandler):
             return handler
     handler = _StderrHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     logger.addHandler(handler)
     return handler
 
@@ -10972,13 +10978,13 @@ def _folder(text):
 
 @_argument_type
 def _smtp(text):
-    smtp_address(text)
+    _smtp_address(text)
     return text
 
 
 @_argument_type
 def _imap(text):
-    server_address(text, "the IMAP server")
+    _server_address(text, "the IMAP server")
     return text
 
 
@@ -11509,7 +11515,7 @@ def main(argv=None):
     key.set_defaults(func=_cmd_key)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     # flufl.bounce logs each detector's guess at INFO: noise on every bounce.
     logging.getLogger("flufl.bounce").setLevel(logging.WARNING)
     try:

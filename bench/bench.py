@@ -838,7 +838,7 @@ app = bottle.Bottle()
 app.mount("/api/", campaignapi.create_app(db))
 @app.get("/bare/open/<token>")
 def bare_open(token):
-    return bottle.HTTPResponse(campaignapi.GIF_PIXEL, 200, {
+    return bottle.HTTPResponse(campaignapi._GIF_PIXEL, 200, {
         "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0"})
 @app.get("/bare/click/<token>")
 def bare_click(token):
@@ -1112,7 +1112,7 @@ def _public_setup(db, api):
     emails = [row[0] for row in conn.execute("SELECT id FROM outbox WHERE batch = ? ORDER BY id",
                                              (batch,))]
     conn.close()
-    sign, expires = campaignapi.sign_token, campaignapi._today() + campaignapi.CONFIRM_DAYS
+    sign, expires = campaignapi.sign_token, campaignapi._today() + campaignapi._CONFIRM_DAYS
     requests = {
         "open": lambda i: _raw("GET", "/v1/open/" + sign(secret, "open", emails[i % 1000])),
         "click": lambda i: _raw("GET", "/v1/click/" + sign(secret, "click", emails[i % 1000],

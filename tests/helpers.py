@@ -530,6 +530,7 @@ def check_delivered_once(db, sink, addresses, deadline):
 
 
 def spelled(db, name, **slots):
-    """The SQL spelling ``name`` (campaignapi.SQL) of ``db``'s engine, filled in."""
+    """The SQL spelling ``name`` (campaignapi._SQL) of ``db``'s engine, filled in."""
     engine = "postgresql" if str(db).startswith("postgresql://") else "sqlite"
-    return campaignapi.SQL[engine][name].format(**slots)
+    # internal: the engines' own SQL spellings
+    return campaignapi._SQL[engine][name].format(**slots)

@@ -8,7 +8,9 @@ import pathlib
 
 import pytest
 
-from campaignapi import archive_page
+import campaignapi
+
+archive_page = campaignapi._archive_page  # internal: the page drawn from chosen figures
 
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 START = datetime.datetime(2026, 11, 20, 9)

@@ -342,7 +342,8 @@ def test_worker_command_delivers_notifications_and_stops_on_sigterm(db, smtp_sin
     "<a href='{{url}}'>{{name}}</a>\n", "{{name}}{{name}}"])
 def test_letter_fills_merge_tags_by_the_merge_tag_rule(template):
     values = {"Name": '<Zoë & "co">', "url": "https://x/?a=1&b=2", "email": "z@example.org"}
-    letter = campaignapi.Letter("a@example.com", "s", template or " ", template)
+    # internal: one email built as delivery builds it
+    letter = campaignapi._Letter("a@example.com", "s", template or " ", template)
     lowered = {k.lower(): v for k, v in values.items()}
     expected_text = reference_fill(template or " ", values)
     assert letter.text.fill(lowered) == expected_text
@@ -373,7 +374,7 @@ def test_long_deliveries_log_progress_per_interval(db, smtp_sink, seed_campaign,
                                                    caplog):
     seed_campaign([(f"user{i}@example.org", f"U{i}") for i in range(30)])
     # internal: a progress line every chunk, not every 10 s
-    monkeypatch.setattr(campaignapi, "PROGRESS_INTERVAL", 0)
+    monkeypatch.setattr(campaignapi, "_PROGRESS_INTERVAL", 0)
     with caplog.at_level("INFO", logger="campaignapi"):
         campaignapi.deliver(db, smtp_sink.address, batch_size=10)
     lines = [r.getMessage() for r in caplog.records if "delivery progress" in r.getMessage()]
@@ -394,7 +395,8 @@ def pipelining_sink():
 
 def test_the_commands_of_an_email_go_in_one_write(pipelining_sink):
     writes = []
-    smtp = smtplib.SMTP(*campaignapi.smtp_address(pipelining_sink.address))
+    # internal: the --smtp value's parser
+    smtp = smtplib.SMTP(*campaignapi._smtp_address(pipelining_sink.address))
     smtp.ehlo()
     send = smtp.send
     smtp.send = lambda data: (writes.append(data), send(data))

@@ -36,7 +36,8 @@ def test_connect_names_its_engine(engine_db, request):
     try:
         engine = request.node.callspec.params["engine_db"]
         assert conn.engine == engine
-        assert conn.sql is campaignapi.SQL[engine]
+        # internal: the engines' own SQL spellings
+        assert conn.sql is campaignapi._SQL[engine]
     finally:
         conn.close()
 

@@ -191,7 +191,7 @@ def test_creates_step_over_a_far_explicit_id_when_they_reach_it(engine_db, monke
     """With a reach of 8 instead of 2^20: an id chosen 20 ahead does not move
     the ids; the creates at 0 go on below it and past it without a 409."""
     # internal: a reach of 8, not 2**20, so that a test can reach it
-    monkeypatch.setattr(campaignapi, "ID_REACH", 8)
+    monkeypatch.setattr(campaignapi, "_ID_REACH", 8)
     campaignapi.init_db(engine_db)      # PostgreSQL's trigger takes the reach here
     client = webtest.TestApp(campaignapi.create_app(engine_db))
     api = Api(client, {"Authorization": "Bearer " + campaignapi.create_key(

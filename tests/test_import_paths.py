@@ -76,13 +76,13 @@ def run(api, db, text, name):
 @pytest.mark.parametrize("chunk", [7, 5000])
 def test_every_path_gives_the_same_outcome(api, db, monkeypatch, chunk):
     # internal: small chunks, so that a few rows cross chunks as many do
-    monkeypatch.setattr(campaignapi, "CHUNK_ROWS", chunk)
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", chunk)
     rows = rows_with_every_case()
     outcomes = {}
     for child in (False, True):
         # 0: every CSV goes through the child process (on SQLite).
         # internal: the size that sends a CSV to the reading child
-        monkeypatch.setattr(campaignapi, "CHILD_READS_BYTES", 0 if child else 1 << 40)
+        monkeypatch.setattr(campaignapi, "_CHILD_READS_BYTES", 0 if child else 1 << 40)
         outcomes["fast", child] = run(api, db, csv_text(rows), f"fast{child}")
         outcomes["quoted", child] = run(api, db, csv_text(rows, quoted=True), f"quoted{child}")
         outcomes["semicolon", child] = run(api, db, csv_text(rows, delimiter=";"), f"semi{child}")
@@ -147,7 +147,8 @@ def children():
 
 def big_upload(count, row=lambda i: f"reader{i}@example.com,Name {i},{i % 90},Town {i % 13}"):
     text = "email,Name,age,Town\n" + "".join(row(i) + "\n" for i in range(count))
-    assert len(text) >= campaignapi.CHILD_READS_BYTES
+    # internal: shrunk so a small upload takes the child reader's path
+    assert len(text) >= campaignapi._CHILD_READS_BYTES
     return text
 
 
@@ -161,9 +162,10 @@ def test_a_big_upload_read_by_the_child_reports_rows_like_in_process(api, db, mo
 
     text = big_upload(25000, row)
     results, before = [], children()
-    for threshold in (campaignapi.CHILD_READS_BYTES, 1 << 40):
+    # internal: shrunk so a small upload takes the child reader's path
+    for threshold in (campaignapi._CHILD_READS_BYTES, 1 << 40):
         # internal: the size that sends a CSV to the reading child
-        monkeypatch.setattr(campaignapi, "CHILD_READS_BYTES", threshold)
+        monkeypatch.setattr(campaignapi, "_CHILD_READS_BYTES", threshold)
         results.append(run(api, db, text, f"big{threshold}"))
         assert children() <= before
     assert results[0] == results[1]
@@ -183,7 +185,8 @@ def test_an_error_in_the_child_rolls_back_everything(api, db):
     good = "".join(f"p{i}@example.com\tx\r\n" for i in range(20000))
     raw = b"\xff\xfe" + ("email\tnewcolumn\r\n" + good).encode("utf-16-le") + b"\x00\xd8" + \
         good.encode("utf-16-le")
-    assert len(raw) >= campaignapi.CHILD_READS_BYTES
+    # internal: shrunk so a small upload takes the child reader's path
+    assert len(raw) >= campaignapi._CHILD_READS_BYTES
     error = import_csv(api, ds, raw, uploadtype="base64", status=422)
     assert error["error"] == "invalid_data" and "not readable text" in error["message"]
     assert scalar(db, "SELECT count(*) FROM recipient WHERE datasource = ?", ds) == 2

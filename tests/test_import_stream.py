@@ -25,7 +25,7 @@ def small_chunks(monkeypatch):
     """Chunks of 50 rows and segments of 120, so that a few hundred rows
     cross chunks and segments the way a million do."""
     # internal: a chunk every 50 rows, not 5,000
-    monkeypatch.setattr(campaignapi, "CHUNK_ROWS", 50)
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 50)
     # internal: a COPY segment every 120 rows, not 50,000
     monkeypatch.setattr(campaignapi._CopyStream, "SEGMENT_ROWS", 120)
 

@@ -69,7 +69,7 @@ def test_duplicate_emails_differing_in_case_count_once_last_wins(api, ds):
 
 def test_repeats_across_chunks_count_once(api, ds, monkeypatch):
     # internal: chunks of 2 rows, so that repeats fall in different chunks
-    monkeypatch.setattr(campaignapi, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 2)
     import_csv(api, ds, "email,age\nold@example.com,1\n")
     text = ("email,age\nold@example.com,2\nnew@example.com,3\nOLD@example.com,4\n"
             "x@example.com,5\nNEW@example.com,6\nold@example.com,7\n")
@@ -167,7 +167,7 @@ def test_unreadable_data_is_422_and_writes_nothing(api, ds, db, uploadtype, data
 
 def test_failure_late_in_the_file_rolls_back_every_chunk(api, ds, db, monkeypatch):
     # internal: chunks of 100 rows: the failure comes after many were written
-    monkeypatch.setattr(campaignapi, "CHUNK_ROWS", 100)
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 100)
     good = "".join(f"p{i}@example.com\tx\r\n" for i in range(5000))  # ~250 KB, many chunks
     raw = b"\xff\xfe" + ("email\tnewcolumn\r\n" + good).encode("utf-16-le")
     assert import_csv(api, ds, raw, uploadtype="base64")["id"] == "1"

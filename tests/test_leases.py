@@ -53,7 +53,7 @@ def test_a_slow_live_worker_keeps_its_claims(db, smtp_sink, seed_campaign, monke
     """Its lease is renewed while it works: with a lease shorter than the
     chunk takes, another worker looking for dead claims takes nothing."""
     # internal: renew the lease every 0.2 s, so that a short test sees renewals
-    monkeypatch.setattr(campaignapi, "CLAIM_RENEW", 0.2)
+    monkeypatch.setattr(campaignapi, "_CLAIM_RENEW", 0.2)
     addresses = [f"slow{i}@example.org" for i in range(30)]
     seed_campaign([(address, "S") for address in addresses])
     lease = datetime.timedelta(seconds=1)

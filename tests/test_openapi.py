@@ -51,7 +51,7 @@ def test_a_route_added_to_the_table_appears_without_touching_the_generator(monke
     extra = campaignapi.Route("POST", "/probe/{thing:int|all}/x/{name:name}", "write", probe,
                               "flavour:a|b! count:int tags:list")
     # internal: the added route's parameter needs its documentation where the generator looks
-    monkeypatch.setitem(campaignapi.PARAM_DOCS, "flavour", ("A taste.", "a"))
+    monkeypatch.setitem(campaignapi._PARAM_DOCS, "flavour", ("A taste.", "a"))
     monkeypatch.setattr(campaignapi, "ROUTES", [*campaignapi.ROUTES, extra])
     document = webtest.TestApp(campaignapi.create_app(db)).get("/v1/openapi.json").json
     validate(document)
@@ -91,8 +91,10 @@ def test_a_record_kind_is_described_in_its_resource_and_nowhere_else(document):
     for kind in kinds:
         assert kind.fields, f"{kind.name}: declare its record's schema as fields="
         assert schemas[kind.schema] == kind.fields, kind.name
-    assert not {kind.schema for kind in kinds} & set(campaignapi.RECORD_SCHEMAS)
-    assert not {kind.name for kind in kinds} & set(campaignapi.RECORD_SCHEMAS)
+    # internal: the answers no record kind owns
+    assert not {kind.schema for kind in kinds} & set(campaignapi._RECORD_SCHEMAS)
+    # internal: the answers no record kind owns
+    assert not {kind.name for kind in kinds} & set(campaignapi._RECORD_SCHEMAS)
     # Who uses each parameter name: the kinds (by name), None for a route of no kind.
     users, words = {}, {_route_word(route) for route in campaignapi.ROUTES if route.kind}
     for route in campaignapi.ROUTES:
@@ -101,7 +103,8 @@ def test_a_record_kind_is_described_in_its_resource_and_nowhere_else(document):
         if route.kind:   # a kind documents only parameters it has
             assert set(route.kind.doc) <= {name for other in campaignapi.ROUTES
                                            if other.kind is route.kind for name in other.params}
-    for key in campaignapi.PARAM_DOCS:
+    # internal: the parameter docs no kind owns
+    for key in campaignapi._PARAM_DOCS:
         word, _, name = key.rpartition(".")
         assert word not in words | set(campaignapi.Resource.kinds), \
             f"PARAM_DOCS[{key!r}] is {word}'s: describe it in that Resource's doc="
@@ -113,7 +116,7 @@ def test_a_record_kind_is_described_in_its_resource_and_nowhere_else(document):
 def test_every_parameter_type_has_a_schema():
     # A type added to the pipeline must be described too.
     # internal: two tables of the module that must agree
-    assert set(campaignapi.PARAM_TYPES) <= set(campaignapi._PARAM_SCHEMAS)
+    assert set(campaignapi._PARAM_TYPES) <= set(campaignapi._PARAM_SCHEMAS)
 
 
 def test_every_parameter_is_described_with_an_example(document):
@@ -382,13 +385,15 @@ def test_every_address_the_document_refuses_the_server_refuses():
                    "64:ff9b::7f00:1", "::ffff:7f00:1", "fd00:ec2::254", "fd00:ec2::23"):
         samples.add(prefix)
     for allow_private in (False, True):
-        refused = campaignapi.webhook_url_schema(allow_private)["not"]["pattern"]
+        # internal: the document's rule for webhook URLs, against the server's
+        refused = campaignapi._webhook_url_schema(allow_private)["not"]["pattern"]
         for address in sorted(samples):
             host = f"[{address}]" if ":" in address else address
             url = f"http://{host}/hook"
             if re.search(refused, url):
                 with pytest.raises(ValueError):
-                    campaignapi.check_webhook_url(url, allow_private=allow_private)
+                    # internal: the URL rule itself, on addresses no DNS here can give
+                    campaignapi._check_webhook_url(url, allow_private=allow_private)
         assert not re.search(refused, "http://" + str(ipaddress.ip_address("8.8.8.8")))
 
 

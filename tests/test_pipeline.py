@@ -101,7 +101,8 @@ def test_internal_error_hides_the_traceback(monkeypatch, db, make_key, caplog):
 def test_a_failed_write_changes_nothing(monkeypatch, db, make_key):
     """The pipeline's transaction: a handler that writes and then fails leaves no trace."""
     def half(call, id):
-        campaignapi.insert_record(call.conn, "campaign", id, {
+        # internal: a record written as Create writes it
+        campaignapi._insert_record(call.conn, "campaign", id, {
             "owner": call.account, "name": "half", "accountprofile": 1, "created": "x"})
         raise campaignapi.InvalidParameter("fails after the insert", field="name")
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import campaignapi
-from campaignapi import ProviderAuthError
+ProviderAuthError = campaignapi._ProviderAuthError  # internal: what the parsers raise on forgery
 from signedhelpers import Receiver, answer, client_context, self_signed
 
 # Each provider's parser is tested on its own: the provider's own examples,
@@ -102,7 +102,8 @@ class Sns:
     def __init__(self, tmp_path):
         (self.key, self.cert), (tls_key, self.tls_cert) = sns_certificates()
         self.server = Receiver(self.respond, tls=(tls_key, self.tls_cert), tmp_path=tmp_path)
-        self.fetch = functools.partial(campaignapi.fetch_https, allow_private=True,
+        # internal: the HTTP client itself, on a local TLS server
+        self.fetch = functools.partial(campaignapi._fetch_https, allow_private=True,
                                        context=client_context(self.tls_cert), timeout=5)
         self.pattern = rf"localhost:{self.server.port}"
         self.cert_url = f"https://localhost:{self.server.port}/SimpleNotificationService-1.pem"

@@ -88,7 +88,7 @@ def test_retype_converts_every_value(api, ds):
 
 def test_retype_failing_halfway_changes_nothing(api, db, monkeypatch):
     # internal: chunks of 50 rows: the failure comes after some were written
-    monkeypatch.setattr(campaignapi, "CHUNK_ROWS", 50)
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 50)
     ds = make_datasource(api, fields=[{"name": "code", "type": "text"}])
     lines = [f"p{i}@example.com,{i}" for i in range(300)]
     lines[170] = "bad1@example.com,12a"

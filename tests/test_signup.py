@@ -385,7 +385,8 @@ def test_the_worker_removes_sign_ups_unconfirmed_for_seven_days(api, client, db)
     with database(db) as conn:
         conn.execute("UPDATE recipient SET updated = ? WHERE email != 'p4@example.com'",
                      (eight_days,))
-    assert campaignapi.remove_unconfirmed(db, limit=2) == 2
+    # internal: the worker step that removes old sign-ups
+    assert campaignapi._remove_unconfirmed(db, limit=2) == 2
     stop = threading.Event()
     worker = threading.Thread(target=campaignapi.run_worker, args=(db, stop), daemon=True)
     worker.start()

@@ -123,20 +123,26 @@ Maria and the team at Northwind Coffee
 def campaign_email(private_key, *, tracking):
     """The email to Ann as delivery would build it: wrapped, inlined, (with
     tracking) rewritten once, then filled for her and DKIM-signed."""
-    html_body, text_body = campaignapi.wrap_in_template(TEMPLATE_HTML, TEMPLATE_TEXT,
+    # internal: the template wrapping itself
+    html_body, text_body = campaignapi._wrap_in_template(TEMPLATE_HTML, TEMPLATE_TEXT,
                                                         MESSAGE_HTML, MESSAGE_TEXT)
-    html_body = campaignapi.inline_css(html_body)
+    # internal: the CSS inlining step itself
+    html_body = campaignapi._inline_css(html_body)
     links = []
     if tracking:
-        html_body, links = campaignapi.track_html(html_body)
-    letter = campaignapi.Letter(f"news@{SENDER_DOMAIN}", "{{first name}}, the autumn roast is here",
+        # internal: the tracking rewrite itself
+        html_body, links = campaignapi._track_html(html_body)
+    # internal: one email built as delivery builds it
+    letter = campaignapi._Letter(f"news@{SENDER_DOMAIN}", "{{first name}}, the autumn roast is here",
                                 text_body, html_body, from_name="Northwind Coffee",
                                 reply_to=f"hello@{SENDER_DOMAIN}",
                                 list_id="<campaign-3.1.campaignapi>")
-    unsubscribe = campaignapi.unsubscribe_url(SECRET, BASE, 1, TO, 3)
+    # internal: the first-release link, as those emails carry it
+    unsubscribe = campaignapi._unsubscribe_url(SECRET, BASE, 1, TO, 3)
     values = {"first name": "Ann", "email": TO, "unsubscribe_url": unsubscribe}
     if tracking:
-        values.update(campaignapi.tracking_values(SECRET, BASE, 4711, len(links)))
+        # internal: the tokens of one email
+        values.update(campaignapi._tracking_values(SECRET, BASE, 4711, len(links)))
     raw = letter.build(TO, values, unsubscribe)
     return campaignapi.dkim_signer(SENDER_DOMAIN, "mail", private_key)(raw), links
 

@@ -159,7 +159,8 @@ def test_the_open_image_is_a_gif_not_cached_and_counts(client, db, sent):
     url = open_url_in(sent["html"]["ann@example.com"])
     for _ in range(2):
         response = client.get(path_of(url))
-        assert response.status_int == 200 and response.body == campaignapi.GIF_PIXEL
+        # internal: the open image's exact bytes
+        assert response.status_int == 200 and response.body == campaignapi._GIF_PIXEL
         assert response.content_type == "image/gif"
         assert "no-store" in response.headers["Cache-Control"]
     # A link checker's HEAD gets the same answer and counts nothing.
@@ -176,7 +177,8 @@ def test_any_open_token_gets_the_same_gif_and_counts_nothing(client, db, sent, t
     if token == "":
         assert response.status_int == 404       # no token: no route
     else:
-        assert response.status_int == 200 and response.body == campaignapi.GIF_PIXEL
+        # internal: the open image's exact bytes
+        assert response.status_int == 200 and response.body == campaignapi._GIF_PIXEL
     assert events(db) == []
 
 
@@ -232,7 +234,8 @@ def test_open_and_click_never_answer_5xx(client_for_fuzz, token):
         response = client_for_fuzz.get(f"/v1/{route}/{quoted}", expect_errors=True)
         assert response.status_int < 500, (route, token, response.status)
         if route == "open" and response.status_int == 200:
-            assert response.body == campaignapi.GIF_PIXEL
+            # internal: the open image's exact bytes
+            assert response.body == campaignapi._GIF_PIXEL
         if route == "click":
             assert response.status_int in (404, 400), (token, response.status)
 
@@ -266,7 +269,8 @@ def test_an_opaque_unsubscribe_link_counts_for_its_batch(client, db, api, sent):
 def test_links_of_the_first_release_keep_working(client, db, app, api, sent):
     secret = app.config["campaignapi.service"].secret
     account = scalar(db, "SELECT owner FROM campaign")
-    old = campaignapi.unsubscribe_url(secret, "http://x", account, "cid@example.com",
+    # internal: the first-release link, as those emails carry it
+    old = campaignapi._unsubscribe_url(secret, "http://x", account, "cid@example.com",
                                       int(sent["campaign"]))
     assert client.post(path_of(old)).status_int == 200
     assert scalar(db, "SELECT status FROM recipient WHERE email = 'cid@example.com'") == \
@@ -291,7 +295,8 @@ def test_the_archive_counts_what_happened(client, db, api, sent):
         campaignapi.suppress(conn, account, "cid@example.com", "complained",
                              int(sent["campaign"]), batch=int(sent["batch"]), outbox=cid)
     record = archive(api, sent["campaign"])
-    figures = {name: record[name] for name in campaignapi.STATISTICS}
+    # internal: the statistics' own list of figures
+    figures = {name: record[name] for name in campaignapi._STATISTICS}
     assert figures == {"recipients": "3", "sent": "3", "failed": "0", "bounced": "0",
                        "complained": "1", "unsubscribed": "0", "opened": "2", "opens": "3",
                        "clicked": "2", "clicks": "3"}
@@ -301,7 +306,8 @@ def test_the_archive_counts_what_happened(client, db, api, sent):
     hour = later()[:13] + ":00:00"
     assert record["timeline"] == [{"hour": hour, "opens": "3", "clicks": "3"}]
     one = api.get(f"/campaign/{sent['campaign']}/batcharchive/{sent['batch']}")["batcharchive"]
-    assert {name: one[name] for name in campaignapi.STATISTICS} == figures
+    # internal: the statistics' own list of figures
+    assert {name: one[name] for name in campaignapi._STATISTICS} == figures
     assert one["links"] == record["links"] and one["timeline"] == record["timeline"]
     assert record["batches"][0]["opened"] == "2"
 
@@ -426,7 +432,8 @@ def test_end_to_end_send_open_click_over_http_and_smtp(app, db, auth, serve, smt
         assert (before["opened"], before["clicks"]) == ("0", "0")
 
         status, headers, body = http(opener)
-        assert (status, headers["Content-Type"], body) == (200, "image/gif", campaignapi.GIF_PIXEL)
+        # internal: the open image's exact bytes
+        assert (status, headers["Content-Type"], body) == (200, "image/gif", campaignapi._GIF_PIXEL)
         assert "no-store" in headers["Cache-Control"]
         request = urllib.request.Request(sale)
         opener_no_redirect = urllib.request.build_opener(NoRedirect)
@@ -482,11 +489,14 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
         assert campaign_email(conn, secret, "click",
                               campaignapi.sign_token(secret, "click", 2**70, 0),
                               size=2) == (None, None)
-        campaignapi.record_event(conn, "click", email, numbers[1])
+        # internal: events written as the routes and the worker write them
+        campaignapi._record_event(conn, "click", email, numbers[1])
         opened, _ = campaign_email(
             conn, secret, "open", campaignapi.sign_token(secret, "open", emails[1]))
-        campaignapi.record_event(conn, "open", opened)
-        campaignapi.record_event(conn, "open", opened)
+        # internal: events written as the routes and the worker write them
+        campaignapi._record_event(conn, "open", opened)
+        # internal: events written as the routes and the worker write them
+        campaignapi._record_event(conn, "open", opened)
         with campaignapi.transaction(conn):
             campaignapi.suppress(conn, account, "p1@example.com", "unsubscribed", campaign,
                                  batch=batch, outbox=emails[1])
@@ -494,7 +504,8 @@ def test_the_statistics_and_token_lookups_run_on_both_engines(engine_db):
         figures = statistics(conn, row)
         # internal: the record the archive routes answer, made of those figures
         record = campaignapi._statistics_record(figures)
-        assert {name: record[name] for name in campaignapi.STATISTICS} == {
+        # internal: the statistics' own list of figures
+        assert {name: record[name] for name in campaignapi._STATISTICS} == {
             "recipients": "3", "sent": "2", "failed": "1", "bounced": "0", "complained": "0",
             "unsubscribed": "1", "opened": "2", "opens": "2", "clicked": "1", "clicks": "1"}
         assert record["links"] == [

@@ -12,8 +12,16 @@ from hypothesis import given, settings, strategies as st
 
 import campaignapi
 from helpers import b64, fill, reference_fill
-from campaignapi import (GIF_PIXEL, check_template, click_target, inline_css, read_token,
-                         sign_token, track_html, tracking_values, wrap_in_template)
+from campaignapi import read_token, sign_token
+
+# The rendering steps are tested one by one, on edge cases no single email shows.
+GIF_PIXEL = campaignapi._GIF_PIXEL  # internal: the open image's bytes
+check_template = campaignapi._check_template  # internal: the template rule itself
+click_target = campaignapi._click_target  # internal: where a click token leads
+inline_css = campaignapi._inline_css  # internal: the CSS inlining step itself
+track_html = campaignapi._track_html  # internal: the tracking rewrite itself
+tracking_values = campaignapi._tracking_values  # internal: the tokens of one email
+wrap_in_template = campaignapi._wrap_in_template  # internal: the template wrapping itself
 
 SECRET = "k3y-of-the-test"
 B64URL = string.ascii_letters + string.digits + "-_"
@@ -72,7 +80,8 @@ def test_a_token_has_no_second_spelling_of_its_numbers():
     key = campaignapi._purpose_key(SECRET, "open")
 
     def forged(payload):
-        mac = hmac.digest(key, payload, "sha256")[:campaignapi.TOKEN_MAC_BYTES]
+        # internal: the token's MAC length, to forge one
+        mac = hmac.digest(key, payload, "sha256")[:campaignapi._TOKEN_MAC_BYTES]
         return b64(payload + mac)
 
     assert read_token(SECRET, "open", forged(bytes([0x01]))) == (1,)  # the forger works

@@ -28,7 +28,8 @@ def people(seed_campaign):
 
 
 def path(secret, account, address, campaign=None):
-    return urllib.parse.urlsplit(campaignapi.unsubscribe_url(
+    # internal: the first-release link, as those emails carry it
+    return urllib.parse.urlsplit(campaignapi._unsubscribe_url(
         secret, "http://x", account, address, campaign)).path
 
 

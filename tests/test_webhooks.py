@@ -136,7 +136,8 @@ def test_a_scoped_address_stored_earlier_fails_its_delivery_quietly(hooks, db):
     assert deliver(db)["retried"] == 1
     assert "IPv6 zone" in webhook(hooks, 1)["lasterror"]
     for allow_private in (False, True):
-        status, error = campaignapi.post_webhook(SCOPED[-1], {}, b"{}",
+        # internal: one signed post, the delivery's own call, to a test receiver
+        status, error = campaignapi._post_webhook(SCOPED[-1], {}, b"{}",
                                                  allow_private=allow_private)
         assert status is None and "IPv6 zone" in error
     # The resolver itself answers an address it cannot use as the URL's fault.
@@ -242,7 +243,8 @@ def test_a_failing_receiver_is_retried_with_the_same_id_and_body(hooks, db):
         # The first retry within a minute; then twice as long.
         first = datetime.datetime.fromisoformat(row["next_try"]) - \
             datetime.datetime.fromisoformat(record["lastattempt"])
-        assert first == datetime.timedelta(seconds=campaignapi.HOOK_RETRY_BASE) and \
+        # internal: webhook retries shortened for the test
+        assert first == datetime.timedelta(seconds=campaignapi._HOOK_RETRY_BASE) and \
             first <= datetime.timedelta(seconds=60)
         # Not due yet: nothing is sent again.
         assert deliver(db) == {"delivered": 0, "retried": 0, "failed": 0}
@@ -280,7 +282,8 @@ def test_the_retry_schedule_doubles_to_an_hour_and_gives_up_after_a_day(hooks, d
     assert seconds[:8] == [30, 60, 120, 240, 480, 960, 1920, 3600]
     assert max(seconds) == 3600
     # The last try is at the 24 hours, then the delivery fails.
-    assert now == (created + campaignapi.HOOK_GIVE_UP).strftime("%Y-%m-%d %H:%M:%S")
+    # internal: webhook give-up time shortened for the test
+    assert now == (created + campaignapi._HOOK_GIVE_UP).strftime("%Y-%m-%d %H:%M:%S")
     row = deliveries(db)[0]
     assert row["status"] == "failed" and row["attempts"] == len(receiver.calls) == len(gaps) + 1
     record = webhook(hooks, 1)
