@@ -106,7 +106,7 @@ DEFAULT_CONFIG = {
     # Without public_url: the hosts a request's Host (or X-Forwarded-Host) may
     # name for links to be built from it, as Django's ALLOWED_HOSTS: a name,
     # ".example.com" (the domain and its subdomains) or "*" (any host name).
-    # Empty: this machine's names only (LOCAL_HOSTS).  Another host: 400 invalid_host.
+    # Empty: this machine's names only (_LOCAL_HOSTS).  Another host: 400 invalid_host.
     "allowed_hosts": (),
     # Secret for signed tokens; empty: generated once and kept in the database.
     "secret": "",
@@ -345,7 +345,7 @@ INTEGRITY_ERRORS = (sqlite3.IntegrityError,)
 #: large, sends the ids of the creates after it (of every account) out of the
 #: range a JSON client reads exactly, and no create at id 0 meets a taken id:
 #: the next ID_REACH ids past the last one are always free.  ID_REACH is more
-#: than the rows one statement inserts (an import chunk: CHUNK_ROWS).
+#: than the rows one statement inserts (an import chunk: _CHUNK_ROWS).
 _ID_REACH = 2**20
 
 
@@ -1155,7 +1155,7 @@ def _schema_path():
 
 def init_db(db):
     """Make the database at ``db`` current: a new one gets schema.sql, an
-    older one the MIGRATIONS steps after its version, in one transaction.
+    older one the _MIGRATIONS steps after its version, in one transaction.
 
     An existing database keeps its data.  A database made by a newer version
     is refused.  Processes that start at once take turns.
@@ -1183,7 +1183,7 @@ def _migrate(conn, script, target, migrations):
     """Bring ``conn`` (inside its schema_change()) to version ``target``.
 
     :param script: the schema of version ``target`` (schema.sql's text).
-    :param migrations: ``(version, step)`` pairs as in MIGRATIONS.
+    :param migrations: ``(version, step)`` pairs as in _MIGRATIONS.
     """
     version = conn.schema_version()     # again: another process may have done it
     if version > target:
@@ -1256,7 +1256,7 @@ _json_string = json.encoder.encode_basestring  # C; keeps non-ASCII as it is, li
 def _data_json(keys, values, *, blank=None):
     """The JSON object text of field values for recipient.data, keyed by the
     field ids ``keys``.  A blank value (None, or only whitespace as
-    convert_value() has it) is left out, or written as ``null`` when
+    _convert_value() has it) is left out, or written as ``null`` when
     ``blank="null"`` (json_patch then removes the key).
 
     Written by hand, each value encoded by the json module, because it runs
@@ -2178,7 +2178,7 @@ def _param_data(name, value):
 
 
 def _param_time(name, value):
-    # Unix seconds (a number or digits) or a date-time: parse_timestamp()
+    # Unix seconds (a number or digits) or a date-time: _parse_timestamp()
     # reads it in the handler, which knows the time now.
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidParameter(f"'{name}' must be Unix seconds or a date-time text.", field=name)
@@ -2276,7 +2276,7 @@ class Route:
     ``body_rules``: JSON Schema keywords added to the document's body schema
     where parameters depend on each other (``if``/``then``).  Each parameter
     is described once: a record kind's own in its Resource's ``doc``, the
-    others in PARAM_DOCS (tests/test_openapi.py asks for it).
+    others in _PARAM_DOCS (tests/test_openapi.py asks for it).
 
     ``later=True``: a public write (open, click, unsubscribe, sign-up,
     confirm) that must never wait for a lock: the handler runs outside a
@@ -2558,7 +2558,7 @@ _turns_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _short_turns():
-    """Within: a switch interval of at most IMPORT_SWITCH_INTERVAL; the one
+    """Within: a switch interval of at most _IMPORT_SWITCH_INTERVAL; the one
     the process had comes back when the last import ends."""
     with _turns_lock:
         if not _turns["running"]:
@@ -2763,7 +2763,7 @@ class _Service:
         self._secret = None
         self._keys = {}  # Authorization header -> (key row, remembered until, epoch)
         # How /v1/bounce/ses fetches SNS signing certificates, and the hosts
-        # they may come from (create_app() gives fetch_https and SNS_CERT_HOST;
+        # they may come from (create_app() gives _fetch_https and _SNS_CERT_HOST;
         # tests point these at a local HTTPS server): the signature is checked
         # either way.
         self.sns_fetch = self.sns_cert_host = None
@@ -2960,7 +2960,7 @@ def _server_address(text, what):
 # opens, clicks, unsubscribes, signs up or confirms meanwhile must not wait for
 # it (nor fail at the 30 s busy timeout).  So those routes read, check and
 # answer, and hand their writes to call.later(); the pipeline applies them in
-# one short transaction when its locks come within PUBLIC_WAIT, else keeps
+# one short transaction when its locks come within _PUBLIC_WAIT, else keeps
 # them in the intake (the engine's place, which the import's locks do not
 # reach: _SqliteIntake, _PgIntake) and a thread of the app applies them in
 # the order they came as soon as the lock is free.  While any are kept, new
@@ -3007,7 +3007,7 @@ class _Intake:
 
     def _apply_now(self, call, items):
         """Apply ``items`` in a transaction with those other threads bring
-        meanwhile; False when the locks did not come within PUBLIC_WAIT."""
+        meanwhile; False when the locks did not come within _PUBLIC_WAIT."""
         mine = [call, items, None]   # the third: True applied, False to keep
         with self.lock:
             self.waiting.append(mine)
@@ -3200,7 +3200,7 @@ def _wrap_in_template(template_html, template_text, message_html, message_text):
     tags, to be filled per recipient.  Returns ``(html, text)``.
 
     :param template_html: the template's html ('' or None: none); checked
-        with check_template().
+        with _check_template().
     """
     _check_template(template_html, template_text)
 
@@ -3233,7 +3233,7 @@ def _template_file(templates_dir, name, suffix):
     """The path of template file ``name`` + ``suffix`` ('.html' or '.txt') in
     ``templates_dir``; ValueError (a sentence) for a name that is no plain
     file name there: a path separator, '..', a character of
-    TEMPLATE_NAME_REFUSED, or a file (a symlink too) that resolves outside the
+    _TEMPLATE_NAME_REFUSED, or a file (a symlink too) that resolves outside the
     folder."""
     if not templates_dir:
         raise ValueError("This server has no templates folder (the templates_dir setting, "
@@ -3285,7 +3285,7 @@ def _fetch_template_file(templates_dir, name):
 
 def _campaign_template(conn, account, defaulttemplate, templates_dir):
     """The bodies ``(html, text)`` that wrap a campaign's messages, or None
-    when it has no template; TemplateUnusable when it cannot be used.
+    when it has no template; _TemplateUnusable when it cannot be used.
 
     :param defaulttemplate: the campaign's: '', a template id of ``account``,
         or the NAME of a file NAME.html (and NAME.txt) in ``templates_dir``.
@@ -3382,7 +3382,7 @@ def _css_inliner(css_inline):
 # Open and click tracking ----------------------------------------------------
 
 #: The merge tags track_html() puts in a message: the open image's URL and
-#: each tracked link's URL, filled per recipient by tracking_values().
+#: each tracked link's URL, filled per recipient by _tracking_values().
 _OPEN_URL_TAG = "open_url"
 _CLICK_URL_TAG = "click_url_{}"
 _PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
@@ -3473,7 +3473,7 @@ def _track_html(html_template):
     :param html_template: the html with its merge tags still in it.
     :returns: ``(html, links)``: the new template, and the URLs of the links
         in tag order, entities decoded and merge tags kept, to be stored with
-        the batch and resolved at click time by click_target().
+        the batch and resolved at click time by _click_target().
     """
     source = html_template or ""
     finder = _LinkFinder()
@@ -3713,7 +3713,7 @@ def _message_letter(conn, campaign, message, sent, base, mail_from):
     :param campaign: ``{"id", "owner", "accountprofile"}`` of the campaign.
     :param message: the message row (for its sender).
     :param sent: ``{"subject", "html", "text"}`` as the batch sends them
-        (prepare_message()).
+        (_prepare_message()).
     :param base: where the API is reachable, for unsubscribe links ('' none).
     :param mail_from: the sender when neither message nor profile has one.
     """
@@ -3756,7 +3756,7 @@ def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id
 def _prepare_message(message, template):
     """A message as every recipient of a batch gets it, before their merge
     values: ``{"subject", "html", "text"}``, the bodies inside the template
-    (see wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
+    (see _wrap_in_template()) and the html's ``<style>`` CSS inlined.  Done
     once per message per batch; delivery, preview and test sends start here.
 
     :param message: the message row; ``template``: ``(html, text)`` or None.
@@ -3948,7 +3948,7 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
     batch that caused it, and the ``recipient.<reason>`` event (see emit()).
     Nothing is recorded when a stronger reason is already there.
 
-    :param reason: a key of SUPPRESSIONS: 'bounced', 'unsubscribed' or 'complained'.
+    :param reason: a key of _SUPPRESSIONS: 'bounced', 'unsubscribed' or 'complained'.
     :param campaign, batch, outbox: what the address was mailed by, when known.
     :param pending: the on_event list of the caller (see emit()).
     :returns: True when the address's state changed.
@@ -4045,7 +4045,7 @@ def _soft_bounce_run(conn, account, address):
 
 
 def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
-    """Count a soft bounce (once per email); the SOFT_BOUNCE_LIMIT-th in a row bounces."""
+    """Count a soft bounce (once per email); the _SOFT_BOUNCE_LIMIT-th in a row bounces."""
     if not conn.execute(
             "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
             "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -4063,13 +4063,13 @@ def apply_bounce(conn, report, *, account=None, secret=None, pending=None):
 
     A hard bounce suppresses the address ('bounced') for the account; a
     complaint suppresses it ('complained'); a soft bounce is counted once per
-    email and the SOFT_BOUNCE_LIMIT-th in a row bounces it.  Each counts in
+    email and the _SOFT_BOUNCE_LIMIT-th in a row bounces it.  Each counts in
     the statistics of the batch of the email it is about.
 
     Which account and email: the outbox email the report names (VERP, else
     our signed Message-ID) decides both; else the address within
     ``account``; else every account that mailed the address in the last
-    BOUNCE_WINDOW_DAYS days.  Without a named email, the latest email the
+    _BOUNCE_WINDOW_DAYS days.  Without a named email, the latest email the
     account sent to the address is taken as the one it is about.
 
     :param report: ``{"type": hard|soft|complaint|none, "email", "outbox",
@@ -4210,7 +4210,7 @@ class Resource:
     :param doc: ``{parameter: (description, example[, schema keywords])}``:
         what the kind's own parameters mean, for the OpenAPI document (a
         list's ``items``, say).  Names that several kinds or other routes
-        share (``name``, ``id``, paging) are described in PARAM_DOCS.
+        share (``name``, ``id``, paging) are described in _PARAM_DOCS.
     """
 
     #: Every kind by name: a child route's path names its parent's kind.
@@ -4434,7 +4434,7 @@ def _datasource_values(call, row):
     """The columns of a datasource create or change, with the sign-up
     settings checked (the route has found their messages and profile among
     the account's live records): a confirmation message carries
-    {{confirm_url}} in each body it has, and sign-ups need a sender profile."""
+    {{_confirm_url}} in each body it has, and sign-ups need a sender profile."""
     # Bad fields are refused before the row is written: on PostgreSQL an id
     # taken by a rolled-back insert is not given again.
     _checked_fields(call.get("fields", []))
@@ -4851,7 +4851,7 @@ def _retype(conn, datasource, field, kind):
     """Convert every stored value of ``field`` to ``kind``, chunk by chunk.
 
     On the first failure writing stops; the scan goes on to name up to
-    ROWS_REPORTED failing rows, then InvalidData rolls the request back, so
+    _ROWS_REPORTED failing rows, then InvalidData rolls the request back, so
     the data stays as it was.
     """
     spell = {"json": "data", "key": int(field["id"])}
@@ -5092,7 +5092,7 @@ def _csv_delimiter(first, next_line):
 
 def _csv_records(raw):
     """The header of a CSV file (a list of cells, or None) and the records
-    after it in batches of at most CHUNK_ROWS, each a list of cells or, for
+    after it in batches of at most _CHUNK_ROWS, each a list of cells or, for
     an unreadable record, its csv.Error.  Decoded lazily, a block at a time:
     the decoded text of a large upload is never whole in memory."""
     encoding = _text_encoding(raw)
@@ -5109,7 +5109,7 @@ def _csv_records(raw):
 
 
 def _batches(records):
-    """``records`` in lists of at most CHUNK_ROWS."""
+    """``records`` in lists of at most _CHUNK_ROWS."""
     while batch := list(itertools.islice(records, _CHUNK_ROWS)):
         yield batch
 
@@ -5664,7 +5664,7 @@ def _spreadsheet_text(text):
 
 
 def _spreadsheet_value(value):
-    """A text or email field's cell (numbers, dates and flags print as display_value())."""
+    """A text or email field's cell (numbers, dates and flags print as _display_value())."""
     return _spreadsheet_text(_display_value(value))
 
 
@@ -5781,7 +5781,7 @@ def _template_values(call, row):
 
 
 #: What a template's html and text must be, for the OpenAPI document: '' or
-#: holding {{content}} exactly once (as check_template() requires).
+#: holding {{content}} exactly once (as _check_template() requires).
 _CONTENT_TAG_PATTERN = r"\{\{\s*[cC][oO][nN][tT][eE][nN][tT]\s*\}\}"
 _CONTENT_ONCE = {"allOf": [{"pattern": r"^$|^(?![\s\S]*" + _CONTENT_TAG_PATTERN + r"[\s\S]*" + _CONTENT_TAG_PATTERN
                                        + r")[\s\S]*" + _CONTENT_TAG_PATTERN + r"[\s\S]*$"}]}
@@ -6529,7 +6529,7 @@ def _verify_header_line_breaks(c):
 def verify_campaign(conn, account, campaign_id, templates_dir=""):
     """Check whether campaign ``campaign_id`` can be sent; the verify record.
 
-    Every check of VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
+    Every check of _VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
     and a message that says what to fix and how.  Sending refuses a campaign
     whose record says ``passed: '0'`` (409 verification_failed, with the checks).
 
@@ -7357,7 +7357,7 @@ def _today():
 
 def _confirm_url(secret, base, recipient_id):
     """The link of a confirmation email: names the recipient by id (signed,
-    no address), valid for CONFIRM_DAYS."""
+    no address), valid for _CONFIRM_DAYS."""
     token = sign_token(secret, "confirm", recipient_id, _today() + _CONFIRM_DAYS)
     return f"{base.rstrip('/')}/v1/confirm/{token}"
 
@@ -7568,7 +7568,7 @@ def _sign_up(call, datasource, address, data):
     A new address is stored unconfirmed with double opt-in, else active; one
     the account suppressed or erased is stored as blocked.  A known address
     keeps its status and values: with double opt-in a recipient that is not
-    active gets a confirmation email (at most one per CONFIRM_EVERY), which
+    active gets a confirmation email (at most one per _CONFIRM_EVERY), which
     is the only way back for a blocked one; without, an unconfirmed one
     becomes active and a blocked one stays as it is.
     """
@@ -7748,7 +7748,7 @@ _LATER = {
 
 
 def _remove_unconfirmed(db, limit=1000):
-    """Delete sign-ups left unconfirmed for CONFIRM_DAYS (since their last
+    """Delete sign-ups left unconfirmed for _CONFIRM_DAYS (since their last
     sign-up), at most ``limit`` per call: the worker runs it with its batches.
 
     :returns: how many were removed.
@@ -7826,7 +7826,7 @@ def _webhook_key(secret):
 def _sign_webhook(secret, msg_id, timestamp, body):
     """The Standard Webhooks headers for one delivery.
 
-    :param secret: the webhook's secret (``whsec_...``, from new_webhook_secret()).
+    :param secret: the webhook's secret (``whsec_...``, from _new_webhook_secret()).
     :param msg_id: the event's id, the same on every retry (receivers dedupe by it).
     :param timestamp: seconds since the epoch (int), or a timezone-aware datetime.
     :param body: the exact bytes that will be posted.
@@ -8159,7 +8159,7 @@ def _post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
                  max_response=65536, context=None):
     """POST one signed event to a webhook receiver.
 
-    The host is resolved once, every address checked (check_webhook_url()'s
+    The host is resolved once, every address checked (_check_webhook_url()'s
     rules), and the checked address itself is connected to, with the URL's
     host name in the Host header and, for https, in SNI and the certificate
     check.  Redirects are not followed (a 3xx is a failure), at most
@@ -8167,7 +8167,7 @@ def _post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
     DNS included, ends within ``timeout`` seconds.
 
     :param url: the webhook's URL.
-    :param headers: extra headers, usually sign_webhook()'s; Content-Type
+    :param headers: extra headers, usually _sign_webhook()'s; Content-Type
         defaults to application/json.
     :param body: the bytes to post.
     :param allow_private: the setting ``webhook_allow_private``.
@@ -8195,7 +8195,7 @@ def _post_webhook(url, headers, body, *, allow_private=False, timeout=10.0,
 
 
 def _fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_bytes=65536):
-    """GET an https URL's body, with post_webhook()'s guards (checked address,
+    """GET an https URL's body, with _post_webhook()'s guards (checked address,
     one deadline, no redirects, bounded size).  The default ``fetch`` of
     _parse_sns_callback() for signing certificates and subscription confirmations.
 
@@ -8279,7 +8279,7 @@ def _event(email, kind, reason, message_id):
 
 
 def _fresh(seconds, max_age, what):
-    """ProviderAuthError unless ``seconds`` (epoch) is within ``max_age`` of now."""
+    """_ProviderAuthError unless ``seconds`` (epoch) is within ``max_age`` of now."""
     if abs(time.time() - seconds) > max_age:
         raise _ProviderAuthError(f"The {what} is more than {max_age // 60} minutes from now:"
                                 " a replay, or a clock that is wrong.")
@@ -8407,7 +8407,7 @@ def _parse_sns_callback(body, *, topic_arns, fetch=_fetch_https, cert_url_patter
     :param cert_url_pattern: a regular expression the URLs' host[:port] must
         match entirely (default: ``sns.<region>.amazonaws.com``).
     :returns: a list of ``{"email", "type", "reason", "message_id"}``.
-    :raises ProviderAuthError: unsigned, forged, altered, from another topic, too old.
+    :raises _ProviderAuthError: unsigned, forged, altered, from another topic, too old.
     :raises ValueError: not JSON or not shaped like SNS and SES messages, or a
         confirmation that could not be fetched.
     """
@@ -8452,8 +8452,8 @@ def _parse_mailgun_callback(body, signing_key):
     :param signing_key: the account's HTTP webhook signing key.
     :returns: a list of events: ``failed`` permanent (hard), temporary (soft),
         ``complained``; other events give an empty list.
-    :raises ProviderAuthError: signature missing or wrong, or older than
-        PROVIDER_MAX_AGE.
+    :raises _ProviderAuthError: signature missing or wrong, or older than
+        _PROVIDER_MAX_AGE.
     :raises ValueError: not JSON or not shaped like a Mailgun webhook.
     """
     if not signing_key:
@@ -8506,7 +8506,7 @@ def _parse_postmark_callback(body, authorization_header, credentials):
     :param credentials: ``user:password`` configured on both sides (setting
         ``postmark_credentials``), checked in constant time.
     :returns: a list of at most one event.
-    :raises ProviderAuthError: no or wrong basic credentials.
+    :raises _ProviderAuthError: no or wrong basic credentials.
     :raises ValueError: not JSON or not shaped like a Postmark webhook.
     """
     if not credentials:
@@ -8567,7 +8567,7 @@ def _parse_sendgrid_callback(body, signature_header, timestamp_header, public_ke
     :returns: events for ``bounce`` (type bounce: hard, blocked: soft),
         ``dropped`` (Bounced Address: hard, Spam Reporting Address: complaint)
         and ``spamreport``; others are ignored.
-    :raises ProviderAuthError: unsigned, forged, or older than PROVIDER_MAX_AGE.
+    :raises _ProviderAuthError: unsigned, forged, or older than _PROVIDER_MAX_AGE.
     :raises ValueError: not JSON or not shaped like SendGrid events.
     """
     key = _load_sendgrid_public_key(public_key) if isinstance(public_key, str) else public_key
@@ -9194,15 +9194,15 @@ def _bounce_sendgrid(call):
 # Delivery: MIME, SMTP, DKIM, unsubscribe
 # ---------------------------------------------------------------------------
 
-#: A claim is a lease: a live worker renews it (claimed_at) every CLAIM_RENEW
+#: A claim is a lease: a live worker renews it (claimed_at) every _CLAIM_RENEW
 #: seconds while it works, and confirms it before each SMTP attempt; one not
-#: renewed for STALE_CLAIM belongs to a worker that died, and its rows go back
+#: renewed for _STALE_CLAIM belongs to a worker that died, and its rows go back
 #: to the queue (the one in flight is failed).
 _STALE_CLAIM = datetime.timedelta(seconds=30)
 _CLAIM_RENEW = 5
 _INTERRUPTED = ("the worker stopped during the SMTP attempt, so the email may have arrived; "
                 "not sent again, so that it cannot arrive twice")
-#: Retry after a 4xx reply: RETRY_BASE * 2**attempts seconds, at most RETRY_CAP.
+#: Retry after a 4xx reply: _RETRY_BASE * 2**attempts seconds, at most _RETRY_CAP.
 _RETRY_BASE, _RETRY_CAP = 30, 3600
 #: Seconds before rows are tried again after the SMTP server could not be reached.
 _CONNECTION_RETRY = 30
@@ -9709,7 +9709,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
     :param now: deliver what is due at this time (a datetime or stored text); default: now.
     :param stop: a threading.Event; when set, unsent claimed rows go back to the queue.
     :param stale_claim: how long a lease must go unrenewed (a timedelta) before it
-        counts as a dead worker's (live workers renew every CLAIM_RENEW seconds).
+        counts as a dead worker's (live workers renew every _CLAIM_RENEW seconds).
     :param on_event: called with the ``recipient.bounced`` events of hard
         bounces after their commit (see emit()).
     :param bounce_domain: the setting ``bounce_domain``: campaign emails get the
@@ -9759,7 +9759,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
 
 
 def _renew_leases(run, done):
-    """Every CLAIM_RENEW seconds until ``done``: this worker's claims are
+    """Every _CLAIM_RENEW seconds until ``done``: this worker's claims are
     renewed (one UPDATE over the few rows being sent).  A row a courier is
     writing at that moment is skipped, not waited for (on PostgreSQL waiting
     would deadlock with the courier's own transaction); it is renewed next time."""
@@ -9809,16 +9809,16 @@ def _run_couriers(couriers):
 # emit() stores each event with one hook_delivery row per webhook that wants
 # it.  The worker posts them: only the oldest pending delivery of a webhook
 # is ever claimed (in order per webhook), claims are leases (a dead worker's
-# come back after HOOK_LEASE), and every try of one delivery sends the same
+# come back after _HOOK_LEASE), and every try of one delivery sends the same
 # webhook-id and body, signed afresh with the time of the try.
 
 #: Seconds one POST may take, DNS and connecting included.
 _HOOK_TIMEOUT = 10.0
 #: A claim older than this is a dead worker's: the delivery is taken back.
-#: Much longer than a live worker holds one (one round of posts, HOOK_TIMEOUT).
+#: Much longer than a live worker holds one (one round of posts, _HOOK_TIMEOUT).
 _HOOK_LEASE = datetime.timedelta(seconds=60)
-#: After a failed try: again HOOK_RETRY_BASE * 2**(tries - 1) seconds later,
-#: at most HOOK_RETRY_CAP apart, until HOOK_GIVE_UP after the event; then failed.
+#: After a failed try: again _HOOK_RETRY_BASE * 2**(tries - 1) seconds later,
+#: at most _HOOK_RETRY_CAP apart, until _HOOK_GIVE_UP after the event; then failed.
 _HOOK_RETRY_BASE, _HOOK_RETRY_CAP = 30, 3600
 _HOOK_GIVE_UP = datetime.timedelta(hours=24)
 #: Deliveries posted at once (to different webhooks) by one deliver_webhooks().
@@ -10015,7 +10015,7 @@ def _claim_deliveries(conn, worker_id, due, lease, limit):
 
 
 def _post_event(row, allow_private, timeout):
-    """One try: ``(status, error)`` as post_webhook() answers."""
+    """One try: ``(status, error)`` as _post_webhook() answers."""
     body = row["payload"].encode("utf-8")
     try:
         headers = _sign_webhook(row["secret"], f"msg_{row['event']}", time.time(), body)
@@ -10055,7 +10055,7 @@ def _record_deliveries(conn, worker_id, attempted, outcomes, counts):
 
 
 # ---------------------------------------------------------------------------
-# The worker: every kind of due work is one step in WORKER_STEPS; each thread
+# The worker: every kind of due work is one step in _WORKER_STEPS; each thread
 # of the worker runs its steps again at once while they find work, else after
 # its interval.
 # ---------------------------------------------------------------------------
@@ -10163,7 +10163,7 @@ def _one_round(worker, steps):
 def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
                webhook_allow_private=False, templates_dir="", bounce_mailbox=None, **delivery):
     """The background work, until ``stop_event`` is set: the steps of
-    WORKER_STEPS, each thread of them on its own: make due batches
+    _WORKER_STEPS, each thread of them on its own: make due batches
     (process_due) and expire unconfirmed sign-ups, post stored events to
     webhooks (deliver_webhooks) and, when ``smtp`` is given, deliver the
     outbox (deliver() with ``delivery`` options).  Without SMTP the outbox
@@ -10179,11 +10179,11 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
     :param templates_dir: where template files named by defaulttemplate are.
     :param bounce_mailbox: process_bounce_mailbox() keyword arguments
         (``imap``, ``user``, ``password``, ...): the mailbox is read every
-        MAILBOX_INTERVAL seconds.
+        _MAILBOX_INTERVAL seconds.
     """
     worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
                      templates_dir, bounce_mailbox, delivery)
-    lanes = {}   # thread name -> its steps, in the order of WORKER_STEPS
+    lanes = {}   # thread name -> its steps, in the order of _WORKER_STEPS
     for step in _WORKER_STEPS:
         if step.needs is None or getattr(worker, step.needs):
             lanes.setdefault(step.thread, []).append(step)
@@ -10237,7 +10237,7 @@ _ANSWER_WEBHOOK = {"type": "object", "required": ["id", "secret"],
 
 
 def _record_schemas():
-    """Every record's JSON schema by name: each kind's, and RECORD_SCHEMAS."""
+    """Every record's JSON schema by name: each kind's, and _RECORD_SCHEMAS."""
     return {**{kind.schema: kind.fields for kind in Resource.kinds.values() if kind.fields},
             **_RECORD_SCHEMAS}
 
@@ -10292,7 +10292,7 @@ _PARAM_DOCS = {
 
 def _param_doc(route, name):
     """(description, example, extra schema) of a parameter of ``route``: its
-    record kind's, else PARAM_DOCS'."""
+    record kind's, else _PARAM_DOCS'."""
     word = [word for word in route.path.split("/") if word and "{" not in word][-1]
     doc = (route.kind.doc.get(name) if route.kind else None) \
         or _PARAM_DOCS.get(f"{word}.{name}") or _PARAM_DOCS.get(name)
