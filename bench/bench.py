@@ -108,6 +108,13 @@ import campaignapi  # noqa: E402
 DB = "sqlite"
 _MADE = []   # the PostgreSQL databases this process made, dropped at its end
 
+#: Where the app of an in-process benchmark is published, as a deployment
+#: sets public_url: its links (unsubscribe, tracking, confirm) are built
+#: from it.  Without it (and without allowed_hosts) the app builds links only
+#: for a request to this machine's own names and answers 400 invalid_host to
+#: the rest.  A served app is given the address it listens on instead.
+PUBLIC_URL = "https://mail.example"
+
 FIELDS = ("first", "last", "city", "age", "score")
 CITIES = ("Berlin", "Lisboa", "Oslo", "Québec", "Kraków", "Zürich", "Nantes", "Porto")
 
@@ -261,8 +268,10 @@ def drop_made():
 
 
 def new_service(tmp, **config):
+    """A new database with a key and the app on it, published at PUBLIC_URL:
+    (db, app, Client)."""
     db = new_db(tmp)
-    app = campaignapi.create_app(db, **config)
+    app = campaignapi.create_app(db, **{"public_url": PUBLIC_URL, **config})
     secret = campaignapi.create_key(db, "bench@example.com")
     return db, app, Client(app, secret)
 
@@ -511,7 +520,7 @@ def bench_deliver(args, tmp):
             template record with ``template``; in ``workers`` processes side
             by side, when more than one)."""
             os.makedirs(folder)
-            db, app, api = new_service(folder, public_url="https://mail.example")
+            db, app, api = new_service(folder)
             datasource = api("PUT", "/datasource/0", name="bench")["id"]
             fill_recipients(db, int(datasource), args.emails)
             campaign = build_campaign(api, datasource, **campaign_options)
@@ -587,9 +596,11 @@ logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "Task queue depth
 import campaignapi
 mode, db, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode in ("api", "signup", "public"):
-    # The sign-up burst comes from one client address: no per-client limit.
-    # "public": the during-import server, which takes a big import's body.
-    app = campaignapi.create_app(db, **({"signup_rate": 0} if mode == "signup" else {}), **(
+    # Published where it listens, as `serve` sets public_url.  The sign-up
+    # burst comes from one client address: no per-client limit.  "public":
+    # the during-import server, which takes a big import's body.
+    app = campaignapi.create_app(db, public_url=f"http://127.0.0.1:{port}", **(
+        {"signup_rate": 0} if mode == "signup" else {}), **(
         {"signup_rate": 0, "max_body": 2**31} if mode == "public" else {}))
 else:
     # The same JSON the API answers, from a bare route.
@@ -833,9 +844,9 @@ logging.getLogger("waitress.queue").setLevel(logging.ERROR)
 import campaignapi
 db, port = sys.argv[1], int(sys.argv[2])
 # One server: the API mounted beside bare routes that answer the same GIF and
-# the same redirect with nothing behind them.
+# the same redirect with nothing behind them; the API published where it is mounted.
 app = bottle.Bottle()
-app.mount("/api/", campaignapi.create_app(db))
+app.mount("/api/", campaignapi.create_app(db, public_url=f"http://127.0.0.1:{port}/api"))
 @app.get("/bare/open/<token>")
 def bare_open(token):
     return bottle.HTTPResponse(campaignapi._GIF_PIXEL, 200, {
@@ -1301,9 +1312,12 @@ def bench_hosts(args, tmp):
     n = args.hosts_recipients
     addresses = [f"host{i}@example.org" for i in range(n)]
     db = new_db(tmp)
+    # Two hosts behind one address, as a deployment publishes them: the
+    # servers and the workers build their links from the same public URL.
+    public = ("--public-url", PUBLIC_URL)
     try:
-        with served("--db", db, "--email", "bench@example.com", cwd=tmp) as first, \
-                served("--db", db, cwd=tmp) as second:
+        with served("--db", db, "--email", "bench@example.com", *public, cwd=tmp) as first, \
+                served("--db", db, *public, cwd=tmp) as second:
             one = HttpApi(f"http://127.0.0.1:{first.port}", first.secret)
             two = HttpApi(f"http://127.0.0.1:{second.port}", first.secret)
             ds = one.put("/datasource/0", name="hosts")["id"]
@@ -1315,7 +1329,7 @@ def bench_hosts(args, tmp):
             campaign = build_campaign(api, ds)
             started = time.perf_counter()
             two.put(f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
-            workers = [start_worker(db, f"127.0.0.1:{port}") for _ in range(2)]
+            workers = [start_worker(db, f"127.0.0.1:{port}", *public) for _ in range(2)]
             try:
                 while total[0] < n // 4:
                     time.sleep(0.01)
@@ -1437,7 +1451,7 @@ def explain(conn, sql, params):
 def _scale_step_parts(name, db, state, rows, body):
     """(setup, measured) of one scale step: callables; ``measured`` returns
     {figure: seconds} and may set more in ``state``."""
-    app = campaignapi.create_app(db, max_body=2**31)
+    app = campaignapi.create_app(db, max_body=2**31, public_url=PUBLIC_URL)
     api = Client(app, state["secret"]) if "secret" in state else None
 
     def timed(method, path):
