@@ -11,8 +11,8 @@ import pytest
 import campaignapi
 from clihelpers import served
 from conftest import Api
-from helpers import (app_secret, assert_error, http, import_csv, keyed_client, make_campaign,
-                     scalar, send, snapshot, wait_for)
+from helpers import (app_secret, assert_error, database, http, import_csv, keyed_client,
+                     make_campaign, scalar, send, snapshot, wait_for)
 
 LAYOUT_HTML = """<!doctype html><html><head><style>
 .frame { border: 1px solid #cccccc; padding: 8px; }
@@ -365,6 +365,23 @@ def test_a_test_send_reaches_only_its_addresses_now_without_batch_or_schedule(
     assert campaignapi.read_unsubscribe_token(app_secret(db), token)[1] == "qa@example.net"
     assert scalar(db, "SELECT count(*) FROM outbox WHERE kind = 'test' AND batch IS NULL") == 2
     assert scalar(db, "SELECT count(*) FROM event") == 0
+
+
+def test_a_test_send_is_queued_prepared_and_rendered_at_delivery(tapi, shop, db, smtp_sink):
+    """A test send queues the campaign's prepared message, its merge tags still
+    tags, and delivery renders it with the campaign's own code: nothing is
+    built, parsed back and stored as strings when the request is answered."""
+    campaign = shop["campaign"]
+    tapi.put(f"/campaign/{campaign}/send/0", test=["qa@example.net"])
+    with database(db) as conn:
+        row = conn.execute("SELECT kind, subject, campaign, base_url, message, recipient "
+                           "FROM outbox WHERE to_addr = 'qa@example.net'").fetchone()
+    assert row["kind"] == "test" and int(row["campaign"]) == int(campaign)
+    assert row["subject"] == "[Test] Hello {{first}}"            # prepared, not rendered
+    assert row["base_url"] and row["message"] is not None and row["recipient"] is not None
+    message = deliver(db, smtp_sink)["qa@example.net"]
+    assert bodies(message)[0] == "[Test] Hello Ann <A&B>"       # rendered at delivery
+    assert message["List-Id"] and message["List-Unsubscribe"]   # the campaign's headers
 
 
 @pytest.mark.parametrize("params,code,field", [
