@@ -35,7 +35,7 @@ __all__ = [
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "InvalidHost", "Unauthorized", "InsufficientAccess", "NotFound",
     "MethodNotAllowed", "Conflict", "VerificationFailed", "PayloadTooLarge",
-    "UnsupportedMediaType", "InvalidData", "TooManyRequests",
+    "UnsupportedMediaType", "InvalidData", "TooManyRequests", "IdempotencyKeyReused",
     "sign_token", "read_token", "unsubscribe_token", "read_unsubscribe_token", "suppress",
     "log_to_stderr", "INTEGRITY_ERRORS", "SCHEMA_VERSION", "MAX_ID", "MAX_EXPLICIT_ID",
     "FIELD_TYPES", "RECIPIENT_STATUSES",
@@ -137,7 +137,7 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 8
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -236,6 +236,11 @@ class UnsupportedMediaType(ApiError):
 
 class InvalidData(ApiError):
     status, code = 422, "invalid_data"
+
+
+class IdempotencyKeyReused(ApiError):
+    """An Idempotency-Key sent again with another method, path or body."""
+    status, code = 422, "idempotency_key_reused"
 
 
 class TooManyRequests(ApiError):
@@ -2743,6 +2748,177 @@ def _loggable_path(path, raw_ids):
     return path
 
 
+# Idempotency keys --------------------------------------------------------------
+#
+# A PUT or POST with ``Idempotency-Key: K`` is done once (the IETF draft's
+# header, as Stripe keeps it).  The pipeline claims K in the database before
+# the handler runs: a committed row, so every thread, process and host sees
+# it, and of two requests with one key exactly one inserts it.  The 2xx
+# answer is then kept on that row in the request's own transaction, so its
+# writes and the kept answer commit together or not at all; a request that
+# fails (or answers anything but 2xx) removes its claim, and the key may be
+# used again.  Routes that do not run as one transaction (the public writes,
+# a bounce report) keep their answer right after the handler.
+
+#: An Idempotency-Key: 1 to 255 visible ASCII characters, on these methods.
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_KEYED_METHODS = ("PUT", "POST")
+#: Seconds a kept answer is replayed.
+_KEY_KEPT = 24 * 3600
+#: Seconds after which a claim whose request never ended (its process died)
+#: may be taken over by a repeat.  Should the first still run, it cannot keep
+#: its answer (the claim's token changed) and rolls back: one effect still.
+_KEY_LEASE = 600
+#: Seconds a repeat is told to wait (Retry-After) while the first runs.
+_KEY_RETRY_AFTER = 1
+
+
+class _Keyed:
+    """A request with an Idempotency-Key: claim() before the handler,
+    keep() its answer, or release() the claim when it failed."""
+
+    def __init__(self, scope, key, request):
+        self.scope, self.key, self.request = scope, key, request
+        self.token = None   # the claim's, once claimed
+        self.kept = False
+
+    @classmethod
+    def of(cls, method, environ, account, limit):
+        """The request's key (None without the header, or on a method that
+        takes none).  Reads the body (up to ``limit``) for the request's
+        fingerprint, and puts the same bytes back for whoever reads it next."""
+        key = environ.get("HTTP_IDEMPOTENCY_KEY")
+        if key is None or method not in _KEYED_METHODS:
+            return None
+        if not _IDEMPOTENCY_KEY.fullmatch(key):
+            raise InvalidParameter("The Idempotency-Key header must be 1 to 255 visible ASCII "
+                                   "characters (no spaces).", field="Idempotency-Key")
+        body = _read_body(environ, limit)
+        environ["wsgi.input"], environ["CONTENT_LENGTH"] = io.BytesIO(body), str(len(body))
+        environ.pop("HTTP_TRANSFER_ENCODING", None)
+        target = f"{method} {environ.get('PATH_INFO', '')}?{environ.get('QUERY_STRING', '')}\n"
+        request = hashlib.sha256(target.encode("utf-8", "backslashreplace") + body).hexdigest()
+        scope = f"account:{account}" if account is not None else \
+            f"client:{environ.get('REMOTE_ADDR', '')}"
+        return cls(scope, key, request)
+
+    def claim(self, conn):
+        """Claim the key for this request: None, the handler may run.  A
+        repeat gets the kept answer (_Kept), or 409 while the first runs; the
+        key with another request, 422.  Looked up before the claim is written,
+        so a repeat never waits for the write lock (SQLite's) to be answered."""
+        now, token = _now(), secrets.token_hex(16)
+        expired, abandoned = _shift(now, -_KEY_KEPT), _shift(now, -_KEY_LEASE)
+        for _ in range(3):   # a claim removed or taken over meanwhile: look again
+            row = conn.execute("SELECT request, status, answer, created FROM idempotency_key "
+                               "WHERE scope = ? AND key = ?", (self.scope, self.key)).fetchone()
+            if row is not None and row[3] >= (abandoned if row[1] is None else expired):
+                if row[0] != self.request:
+                    raise IdempotencyKeyReused(
+                        "This Idempotency-Key was used for another request (method, path or "
+                        "body) in the last 24 hours: send a new key for a new request.",
+                        field="Idempotency-Key")
+                if row[1] is None:
+                    break
+                return _Kept(row[1], json.loads(row[2]))
+            with transaction(conn):
+                if conn.execute(
+                        "INSERT INTO idempotency_key (scope, key, request, token, created) "
+                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
+                        "request = excluded.request, token = excluded.token, status = NULL, "
+                        "answer = NULL, created = excluded.created "
+                        "WHERE idempotency_key.created < ? OR (idempotency_key.status IS NULL "
+                        "AND idempotency_key.created < ?)",
+                        (self.scope, self.key, self.request, token, now, expired,
+                         abandoned)).rowcount:
+                    self.token = token
+                    return None
+        error = Conflict("A request with this Idempotency-Key is still running: ask again "
+                         "in a moment for its answer.", field="Idempotency-Key")
+        error.headers["Retry-After"] = str(_KEY_RETRY_AFTER)
+        raise error
+
+    def keep(self, conn, outcome):
+        """Keep ``outcome`` on the claim, in the caller's transaction, when
+        it is a 2xx answer; False when it is not (release() the claim)."""
+        kept = _Kept.of(outcome)
+        if kept is None:
+            return False
+        if not conn.execute(
+                "UPDATE idempotency_key SET status = ?, answer = ? "
+                "WHERE scope = ? AND key = ? AND token = ?",
+                (kept.status, _to_json(kept.answer), self.scope, self.key, self.token)).rowcount:
+            raise Conflict("This request ran so long that a repeat with its Idempotency-Key "
+                           "took over; nothing was changed.", field="Idempotency-Key")
+        self.kept = True
+        return True
+
+    def release(self, conn):
+        """Remove the claim of a request that failed (if it is still ours)."""
+        if self.token is None or self.kept:
+            return
+        try:
+            with transaction(conn):
+                conn.execute("DELETE FROM idempotency_key WHERE scope = ? AND key = ? "
+                             "AND token = ?", (self.scope, self.key, self.token))
+        except Exception:   # the database is gone: the claim ends with its lease
+            _log.exception("the claim of Idempotency-Key %r stays until its lease ends",
+                           self.key)
+        self.token = None
+
+
+class _Kept:
+    """A kept answer: its status and {"data": ...} of an envelope, or
+    {"body": ..., "headers": ...} of a page; replayed with Idempotent-Replayed."""
+
+    #: Headers of the answer that are not kept (they are made again).
+    _MADE = ("content-length", "content-type", "x-response-id", "set-cookie")
+
+    def __init__(self, status, answer):
+        self.status, self.answer = status, answer
+
+    @classmethod
+    def of(cls, outcome):
+        """The answer to keep, or None for one that is not kept (not 2xx)."""
+        if isinstance(outcome, ApiError):
+            return None
+        if isinstance(outcome, bottle.HTTPResponse):
+            if not 200 <= outcome.status_code < 300 or not isinstance(outcome.body, str):
+                return None
+            return cls(outcome.status_code, {"body": outcome.body, "headers": {
+                name: value for name, value in outcome.headerlist
+                if name.lower() not in ("content-length", "x-response-id")}})
+        return cls(200, {"data": outcome, "headers": {
+            name: value for name, value in bottle.response.headerlist
+            if name.lower() not in cls._MADE}})
+
+    def replay(self, response_id):
+        """The kept answer again, under a new responseId."""
+        headers = {**self.answer["headers"], "Idempotent-Replayed": "true"}
+        if "body" in self.answer:
+            return bottle.HTTPResponse(self.answer["body"], self.status,
+                                       {**headers, "X-Response-Id": response_id})
+        return _respond(self.status, _envelope(response_id, True, self.answer["data"]), headers)
+
+
+def _purge_idempotency_keys(db, limit=1000):
+    """Delete kept answers and claims older than _KEY_KEPT, at most ``limit``
+    per call (the worker runs it).
+
+    :returns: how many were deleted.
+    """
+    cutoff = _shift(_now(), -_KEY_KEPT)
+    conn = connect(db)
+    try:
+        with transaction(conn):
+            return conn.execute(
+                "DELETE FROM idempotency_key WHERE (scope, key) IN (SELECT scope, key "
+                "FROM idempotency_key WHERE created < ? ORDER BY created LIMIT ?)",
+                (cutoff, limit)).rowcount
+    finally:
+        conn.close()
+
+
 _response_ids = random.Random(os.urandom(32))
 
 
@@ -2818,6 +2994,7 @@ class _Service:
         """The request pipeline: every route goes through here."""
         response_id, started = _new_response_id(), time.perf_counter()
         request = bottle.request
+        keyed = None
         try:
             _param_path(request.environ)
             conn = self.conn()
@@ -2827,16 +3004,25 @@ class _Service:
                 _require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
+            keyed = _Keyed.of(route.method, request.environ, account, self.config["max_body"])
             params = _parse_params(route, request.environ, self.config["max_body"])
             call = _Call(conn, account, params, self, response_id)
+            kept = keyed and keyed.claim(conn)
+            if kept:
+                return self.finish(response_id, started, kept, raw_ids)
             if route.later:
                 outcome = route.run(call, ids)
                 self.intake.take(call)
             elif route.writes:
                 with transaction(conn):
                     outcome = route.run(call, ids)
+                    if keyed:   # the answer commits with the writes, or neither does
+                        keyed.keep(conn, outcome)
             else:
                 outcome = route.run(call, ids)
+            if keyed and keyed.token and not keyed.kept:
+                with transaction(conn):
+                    keyed.keep(conn, outcome)
             if call.memo.get("events") and self.config["on_event"]:
                 _run_callbacks(self.config["on_event"], call.memo["events"])
         except ApiError as error:
@@ -2847,6 +3033,8 @@ class _Service:
         except Exception:
             _log.exception("internal error, responseId %s", response_id)
             outcome = _internal_error(response_id)
+        if keyed is not None:   # a failed request (or one not 2xx) frees its key
+            keyed.release(self.conn())
         return self.finish(response_id, started, outcome, raw_ids)
 
     def finish(self, response_id, started, outcome, raw_ids=None):
@@ -2861,6 +3049,8 @@ class _Service:
             status = outcome.status
             answer = _respond(status, _envelope(response_id, False, outcome.data()),
                               outcome.headers)
+        elif isinstance(outcome, _Kept):
+            status, answer = outcome.status, outcome.replay(response_id)
         else:
             status, answer = 200, _respond(200, _envelope(response_id, True, outcome))
         if _log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
@@ -10081,6 +10271,10 @@ def _purge_unconfirmed(worker):
     return _remove_unconfirmed(worker.db) > 0
 
 
+def _purge_keys(worker):
+    return _purge_idempotency_keys(worker.db) > 0
+
+
 def _deliver_events(worker):
     counts = deliver_webhooks(worker.db, allow_private=worker.webhook_allow_private,
                               stop=worker.stop_event)
@@ -10129,6 +10323,7 @@ class _Step:
 _WORKER_STEPS = (
     _Step("batches", _make_due_batches),
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
+    _Step("batches", _purge_keys),   # Idempotency-Key answers expire after 24 hours
     _Step("webhooks", _deliver_events),
     _Step("delivery", _deliver_outbox, needs="smtp"),
     _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
@@ -10383,6 +10578,8 @@ def _error_codes():
 def _route_statuses(route):
     """The error statuses a route can answer, from what the pipeline does for it."""
     statuses = {400, 413, 415, 500}     # parameters and body are read on every route
+    if route.method in _KEYED_METHODS:
+        statuses |= {409, 422}          # a key still running, or used for another request
     if route.level:
         statuses |= {401, 403}
     if route.ids:
@@ -10489,11 +10686,29 @@ def _operation(route, allow_private=False):
                            "content": {**_PAGE_CONTENT, "application/json": {"schema": {
                                "$ref": f"#/components/schemas/error{status}"}}}}
                   for status in errors}
+    if route.method in _KEYED_METHODS:
+        operation["parameters"].append(_IDEMPOTENCY_HEADER)
+        success = {**success, "headers": {**success.get("headers", {}), **_REPLAYED_HEADER}}
     operation["responses"] = {answered: success, **errors}
     return operation
 
 
 _PAGE_CONTENT = {"text/html": {"schema": {"type": "string"}}}
+
+#: The Idempotency-Key header as the document shows it.
+_IDEMPOTENCY_HEADER = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
+    "description": "Do this request once (1 to 255 visible ASCII characters, e.g. a UUID): a "
+                   "repeat with the same key, method, path and body within 24 hours gets the "
+                   "first answer again (header Idempotent-Replayed: true) and changes nothing; "
+                   "the key with another request is 422 idempotency_key_reused; a repeat while "
+                   "the first still runs is 409 with Retry-After. Only 2xx answers are kept, so "
+                   "a request that failed may be sent again with its key.",
+    "example": "6c0b0a5e-reset-ann"}
+_REPLAYED_HEADER = {"Idempotent-Replayed": {
+    "description": "true: the answer kept for this request's Idempotency-Key, sent again.",
+    "schema": {"type": "string", "enum": ["true"]}}}
 
 
 #: The data of every error: a code, a sentence, and where it helps more.

@@ -425,3 +425,24 @@ CREATE TABLE IF NOT EXISTS intake (
     payload TEXT NOT NULL,                     -- its arguments, JSON
     created TEXT NOT NULL DEFAULT (datetime('now'))
 );
+
+-- Version 8 --------------------------------------------------------------------
+
+-- Requests that carried an Idempotency-Key: claimed (status NULL) before the
+-- request runs, then its 2xx answer kept for 24 hours in the transaction of
+-- its writes; a failed request's row is removed, so the key can be used again.
+-- scope: 'account:<id>', or 'client:<address>' on the public routes.
+-- request: SHA-256 of the method, path, query string and body.  token: the
+-- claim's own, so that a request whose claim was taken over (its process
+-- ended, _KEY_LEASE) cannot keep its answer.
+CREATE TABLE IF NOT EXISTS idempotency_key (
+    scope   TEXT NOT NULL,
+    key     TEXT NOT NULL,
+    request TEXT NOT NULL,
+    token   TEXT NOT NULL,
+    status  INTEGER,                           -- NULL: the request still runs
+    answer  TEXT,                              -- JSON: its data, or a page and headers
+    created TEXT NOT NULL,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_key_created ON idempotency_key(created);
