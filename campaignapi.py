@@ -1106,13 +1106,30 @@ ALTER TABLE batch_message ADD COLUMN IF NOT EXISTS tracked TEXT;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
 """}),
+    # Version 6: prepared messages (tables in schema.sql): an outbox email and
+    # an event name theirs; the outbox takes the kinds 'automation' and
+    # 'transactional' (SQLite rebuilds it as schema.sql declares it).
+    (6, {"sqlite": lambda conn: (_rebuild_table(conn, "outbox", _schema_table("outbox")),
+                                 _sqlite_add_columns(conn, (("event", "prepared INTEGER"),))),
+         "postgresql": """
+ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
+ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
+    CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
+           OR kind = 'signup' OR kind = 'test' OR kind = 'automation'
+           OR kind = 'transactional');
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS prepared INTEGER;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS merge_values TEXT;
+ALTER TABLE IF EXISTS event ADD COLUMN IF NOT EXISTS prepared INTEGER;
+"""}),
 )
 
 
 def _sqlite_add_columns(conn, columns):
-    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks."""
+    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks (a
+    table not there yet comes whole from schema.sql)."""
     for table, column in columns:
-        if column.split()[0] not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if have and column.split()[0] not in have:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
@@ -3732,6 +3749,14 @@ def _click_target(url, values):
     return urllib.parse.quote(filled, safe="!#$%&'()*+,-./:;=?@[]_~")
 
 
+def _merge_values(stored, to_addr):
+    """The merge values of an email without a recipient row: its outbox
+    row's merge_values (JSON, see enqueue()) as text, ``{{email}}`` its address."""
+    values = {name: "" if value is None else value if isinstance(value, str) else _to_json(value)
+              for name, value in json.loads(stored or "{}").items()}
+    return {**values, "email": to_addr}
+
+
 # Unsubscribe links -----------------------------------------------------------
 
 def _unsubscribe_url(secret, base, account, address, campaign=None):
@@ -3742,16 +3767,16 @@ def _unsubscribe_url(secret, base, account, address, campaign=None):
     return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
 
 
-def _email_unsubscribe_url(secret, base, campaign, recipient):
-    """The one-click unsubscribe link of a campaign's emails to one recipient:
-    opaque, it names the campaign and the recipient row (the address, the
-    account and the email that carried it are looked up), and it is the same
-    for every email of the campaign to that recipient, so a preview shows the
-    link the email will carry.
+def _email_unsubscribe_url(secret, base, *names):
+    """The one-click unsubscribe link of an email, opaque.  A campaign's
+    names ``(campaign, recipient row)`` (the address, the account and the
+    email that carried it are looked up): the same for every email of the
+    campaign to that recipient, so a preview shows the link the email will
+    carry.  An email of a prepared message names ``(outbox email,)``.
 
     :param base: where the API is reachable (public_url or a batch's base_url).
     """
-    token = sign_token(secret, "unsubscribe", campaign, recipient)
+    token = sign_token(secret, "unsubscribe", *names)
     return f"{base.rstrip('/')}/v1/unsubscribe/{token}"
 
 
@@ -3896,6 +3921,11 @@ def _campaign_sender(conn, campaign, message):
             for name in ("fromname", "fromaddress", "replyto")}
 
 
+def _list_id(scope, number, account):
+    """The List-Id of a campaign's (``scope`` 'campaign') or an automation's emails."""
+    return f"<{scope}-{number}.{account}.campaignapi>"
+
+
 def _message_letter(conn, campaign, message, sent, base, mail_from):
     """The Letter of one campaign message, as delivery, preview and test
     sends all build it.
@@ -3912,33 +3942,60 @@ def _message_letter(conn, campaign, message, sent, base, mail_from):
 
 
 def _campaign_letter(sender, sent, campaign, account, base, mail_from):
-    """The Letter of a campaign's prepared message ``sent`` as ``sender``
-    (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
-    campaign's List-Id, its unsubscribe links pointing at ``base``."""
-    letter = _Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
-                    sent["html"], from_name=sender["fromname"] or "",
-                    reply_to=sender["replyto"] or "",
-                    list_id=f"<campaign-{campaign}.{account}.campaignapi>")
-    letter.campaign, letter.account = campaign, account
-    letter.base = (base or "").rstrip("/")
+    """The Letter of a campaign's prepared message ``sent`` (``{"subject",
+    "html", "text"}``, with ``"tracked", "links"`` when its batch tracks) as
+    ``sender`` (``{"fromname", "fromaddress", "replyto"}``, empty:
+    ``mail_from``): the campaign's List-Id, its links pointing at ``base``."""
+    return _prepared_letter({**sent, **sender, "account": account, "campaign": campaign,
+                             "list_id": _list_id("campaign", campaign, account),
+                             "base_url": base, "bulk": 1}, mail_from)
+
+
+def _prepared_letter(prepared, mail_from):
+    """The Letter of a prepared message, the one way every campaign-grade
+    email is built: a batch's message (_campaign_letter()) or a row of the
+    prepared table (_prepared()).
+
+    :param prepared: a mapping with subject, html, text, fromname,
+        fromaddress (empty: ``mail_from``), replyto, list_id ('' none),
+        base_url (where its links point; '' none: untracked, no unsubscribe
+        link), bulk (List-Unsubscribe and {{unsubscribe_url}}), account, and
+        optionally campaign (its unsubscribe links name the campaign and the
+        recipient; without: the outbox email), tracked (the html of
+        _track_html(); None or absent: untracked) and links (how many).
+    """
+    letter = _Letter(prepared["fromaddress"] or mail_from, prepared["subject"], prepared["text"],
+                    prepared["html"], from_name=prepared["fromname"] or "",
+                    reply_to=prepared["replyto"] or "", list_id=prepared["list_id"] or None)
+    letter.campaign, letter.account = prepared.get("campaign"), prepared["account"]
+    letter.base, letter.bulk = (prepared["base_url"] or "").rstrip("/"), bool(prepared["bulk"])
+    letter.links = None  # tracked: how many links the prepared message keeps
+    if prepared.get("tracked") is not None and letter.base and prepared["html"]:
+        letter.html, letter.links = _Template(prepared["tracked"]), prepared["links"]
     return letter
 
 
-def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
-    """``(sender, email bytes)`` of a campaign Letter for one recipient: the
-    merge ``values`` with the unsubscribe link.
+def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None,
+                     outbox=None):
+    """``(sender, email bytes)`` of a prepared Letter for one recipient: the
+    merge ``values`` with the unsubscribe link (bulk mail only).
 
-    :param recipient: the recipient's id: the link names it and the campaign,
-        opaquely, so delivery and preview give the same link.  None (a test
-        send): the link names ``to_addr``, the tester, instead.
+    :param recipient: the recipient's id: a campaign's link names it and the
+        campaign, opaquely, so delivery and preview give the same link.  None
+        (a test send): the link names ``to_addr``, the tester, instead.
+    :param outbox: the outbox email: the link of a prepared message names it.
     """
     link = None
-    if letter.base and recipient is not None:
+    if not letter.base or not letter.bulk:
+        pass
+    elif letter.campaign is None:
+        link = outbox is not None and _email_unsubscribe_url(secret, letter.base, outbox)
+    elif recipient is not None:
         link = _email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
-    elif letter.base:
+    else:
         link = _unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
     values["unsubscribe_url"] = link or ""
-    return letter.sender, letter.build(to_addr, values, link, message_id)
+    return letter.sender, letter.build(to_addr, values, link or None, message_id)
 
 
 # Preparing a campaign message ---------------------------------------------------
@@ -3957,21 +4014,68 @@ def _prepare_message(message, template):
     return {"subject": message["subject"], "html": _inline_css(html_body), "text": text_body}
 
 
+def _prepared(conn, account, scope, message, sender, *, template=None, tracking=False,
+              base_url="", list_id="", bulk=True):
+    """The prepared message (its id) that emails of ``scope`` outside a batch
+    are built from at delivery: found when one with the same inputs exists,
+    else made once, in the caller's transaction, as a batch prepares its
+    messages: _prepare_message(), and with ``tracking`` _track_html() with
+    its links kept in prepared_link (a click token resolves the URL there).
+    Queue its emails with enqueue(..., prepared=id); their events name it.
+
+    :param scope: what its statistics count under ('automation:A:S', ...).
+    :param message: the message row (subject, html, text, id).
+    :param sender: ``{"fromname", "fromaddress", "replyto"}`` (_campaign_sender()).
+    :param template: ``(html, text)`` that wraps the message, or None.
+    :param base_url: where its links point ('' the worker's public_url).
+    :param list_id: its List-Id header ('' none; see _list_id()).
+    :param bulk: bulk mail: List-Unsubscribe and {{unsubscribe_url}}.
+    """
+    inputs = [message["id"], message["subject"], message["html"], message["text"],
+              template and list(template), [sender.get(name) or "" for name in (
+                  "fromname", "fromaddress", "replyto")], bool(tracking), base_url or "",
+              list_id or "", bool(bulk)]
+    digest = hashlib.sha256(_to_json(inputs).encode("utf-8")).hexdigest()
+    row = conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
+                       (scope, digest)).fetchone()
+    if row is not None:
+        return row[0]
+    sent = _prepare_message(message, template)
+    tracked, links = _track_html(sent["html"]) if tracking and sent["html"] else (None, [])
+    row = conn.execute(
+        "INSERT INTO prepared (account, scope, digest, message, subject, html, text, tracked, "
+        "fromname, fromaddress, replyto, list_id, base_url, bulk, created) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (scope, digest) DO NOTHING RETURNING id",
+        (account, scope, digest, message["id"], sent["subject"], sent["html"], sent["text"],
+         tracked, *inputs[5], list_id or "", base_url or "", int(bool(bulk)), _now())).fetchone()
+    if row is None:   # another transaction made it meanwhile
+        return conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
+                            (scope, digest)).fetchone()[0]
+    conn.executemany("INSERT INTO prepared_link (prepared, link, url) VALUES (?, ?, ?)",
+                     [(row[0], index, url) for index, url in enumerate(links)])
+    return row[0]
+
+
 # The outbox ------------------------------------------------------------------
 
 def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
             sender=None, batch=None, message=None, recipient=None, campaign=None,
-            base_url=None, recipients=None, now=None):
+            base_url=None, recipients=None, now=None, prepared=None, merge_values=None):
     """Queue an email in the outbox, in the caller's transaction: the one way
     every email of the service is sent (campaign emails, test sends, archive
     copies, notifications, sign-up emails); the worker delivers it.
 
     A campaign email carries no content: delivery renders it from its batch's
-    prepared message (see _archive_message()).  A test send carries its
+    prepared message (see _archive_message()); so does an email of a
+    prepared message (an automation's, a transactional one: see _prepared()),
+    from that message, with its recipient row's merge values or, with no
+    recipient row, ``merge_values``.  A test send carries its
     prepared message with the merge tags still in it, filled at delivery by
     the same code.  Other mail carries its ready subject and bodies.
 
-    :param kind: 'campaign', 'test', 'archive', 'notification' or 'signup'.
+    :param kind: 'campaign', 'test', 'archive', 'notification', 'signup',
+        'automation' or 'transactional'.
     :param to_addr: the address; none with ``recipients`` (each one's own).
     :param subject: the subject; ``body`` the plain text, ``html`` an
         optional HTML alternative.
@@ -3989,11 +4093,17 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
         statement however many they are (a batch's segment), in address
         order; an address already queued for ``batch`` is skipped.
     :param now: the time it is queued and due ('YYYY-MM-DD HH:MM:SS' UTC).
+    :param prepared: the prepared message (_prepared()) it is built from.
+    :param merge_values: ``{name: value}`` (JSON values) that fill an email of a
+        prepared message without a recipient row; ``{{email}}`` is ``to_addr``.
     :returns: the outbox row's id; with ``recipients`` the number queued.
     """
     sender, now = sender or {}, now or _now()
+    if merge_values is not None:
+        merge_values = _to_json(merge_values)
     fields = {"account": account, "kind": kind, "batch": batch, "message": message,
-              "campaign": campaign, "base_url": base_url, "subject": subject, "body": body,
+              "campaign": campaign, "prepared": prepared, "merge_values": merge_values,
+              "base_url": base_url, "subject": subject, "body": body,
               "html": html, "fromname": sender.get("fromname"),
               "fromaddress": sender.get("fromaddress") or None,
               "replyto": sender.get("replyto"), "created": now, "next_try": now}
@@ -4127,6 +4237,9 @@ def emit(conn, account, kind, data, pending=None):
 #: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
 #: never the other way round.  Each also names its statistics event.
 _SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
+#: An event's prepared message: its email's (SQL, the outbox id a parameter),
+#: so the statistics of a prepared message count what its emails caused.
+_EMAIL_PREPARED = "(SELECT prepared FROM outbox WHERE id = ?)"
 _RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
 
 
@@ -4159,9 +4272,9 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
         (reason, now, address, *weaker, account))
     if not changed:
         return False
-    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (account, _SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
+    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created, "
+                 f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
+                 (account, _SUPPRESSIONS[reason], campaign, batch, outbox, address, now, outbox))
     emit(conn, account, f"recipient.{reason}",
          {"email": address, "campaign": campaign and str(campaign),
           "batch": batch and str(batch)}, pending)
@@ -4237,9 +4350,9 @@ def _soft_bounce_run(conn, account, address):
 def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
     """Count a soft bounce (once per email); the _SOFT_BOUNCE_LIMIT-th in a row bounces."""
     if not conn.execute(
-            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            (account, campaign, batch, outbox, address, _now())).rowcount:
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created, prepared) "
+            f"VALUES (?, 'softbounce', ?, ?, ?, ?, ?, {_EMAIL_PREPARED}) ON CONFLICT DO NOTHING",
+            (account, campaign, batch, outbox, address, _now(), outbox)).rowcount:
         return   # a second report of the same email (event_softbounce_once)
     if _soft_bounce_run(conn, account, address) >= _SOFT_BOUNCE_LIMIT:
         suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
@@ -7368,27 +7481,33 @@ def _bad_link_page(what):
         status=404)
 
 
+#: A tracked email: a campaign's (its batch's links) or one of a prepared
+#: message (the prepared message's links).
 _CAMPAIGN_EMAIL = (
     "SELECT o.id AS outbox, o.account, o.to_addr AS email, o.batch, o.message, o.recipient, "
-    "b.campaign{} FROM outbox o JOIN batch b ON b.id = o.batch{} "
-    "WHERE o.id = ? AND o.kind = 'campaign'")
+    "o.prepared, o.merge_values, b.campaign{} FROM outbox o LEFT JOIN batch b ON b.id = o.batch{} "
+    "WHERE o.id = ? AND (o.kind = 'campaign' OR o.prepared IS NOT NULL)")
 
 
 def _campaign_email(conn, secret, purpose, token, size=1):
-    """The campaign email a token of ``purpose`` names (its first number), as
-    ``(row, numbers)``: the row has outbox, account, email, batch, message,
-    recipient and campaign, and for a click token (two numbers: the email,
-    the link's index) the link's stored ``url``.  ``(None, None)`` for a
-    token that is not ours or names nothing we sent (never an exception:
-    tokens come from the public).  One statement."""
+    """The tracked email (a campaign's, or one of a prepared message) a token
+    of ``purpose`` names (its first number), as ``(row, numbers)``: the row
+    has outbox, account, email, batch, message, recipient, prepared and
+    campaign, and for a click token (two numbers: the email, the link's
+    index) the link's stored ``url``.  ``(None, None)`` for a token that is
+    not ours or names nothing we sent (never an exception: tokens come from
+    the public).  One statement."""
     numbers = read_token(secret, purpose, token)
     if numbers is None or len(numbers) != size:
         return None, None
     numbers = [min(number, MAX_ID) for number in numbers]   # beyond any id: none found
     if size == 2:
         row = conn.execute(_CAMPAIGN_EMAIL.format(
-            ", l.url", " JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
-            "AND l.link = ?"), (numbers[1], numbers[0])).fetchone()
+            ", coalesce(l.url, p.url) AS url",
+            " LEFT JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
+            "AND l.link = ? LEFT JOIN prepared_link p ON p.prepared = o.prepared AND p.link = ?")
+            + " AND coalesce(l.url, p.url) IS NOT NULL",
+            (numbers[1], numbers[1], numbers[0])).fetchone()
     else:
         row = conn.execute(_CAMPAIGN_EMAIL.format("", ""), numbers).fetchone()
     return (row, numbers) if row is not None else (None, None)
@@ -7402,10 +7521,10 @@ def _record_event(conn, kind, email, link=None, created=None):
         written later with the time it came.
     """
     conn.execute(
-        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (email["account"], kind, email["campaign"],
-                                            email["batch"], email["outbox"], email["email"],
-                                            link, created or _now()))
+        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
+        f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
+        (email["account"], kind, email["campaign"], email["batch"], email["outbox"],
+         email["email"], link, created or _now(), email["outbox"]))
 
 
 def _count_later(call, kind, email, link=None):
@@ -7425,6 +7544,10 @@ def _unsubscribe_subject(call, token):
         subject = read_unsubscribe_token(call.service.secret, token)
         return subject and (*subject, None, None)
     numbers = read_token(call.service.secret, "unsubscribe", token)
+    if numbers is not None and len(numbers) == 1:   # an email of a prepared message
+        row = call.conn.execute("SELECT account, to_addr FROM outbox WHERE id = ? "
+                                "AND prepared IS NOT NULL", (min(numbers[0], MAX_ID),)).fetchone()
+        return row and (row["account"], row["to_addr"], None, None, numbers[0])
     if numbers is None or len(numbers) != 2:
         return None
     campaign, recipient = (min(number, MAX_ID) for number in numbers)
@@ -7510,7 +7633,9 @@ def _click(call, token):
     if email is None:
         return _bad_link_page("tracked")
     values = {}
-    if "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
+    if "{" in email["url"] and email["recipient"] is None and email["prepared"] is not None:
+        values = _merge_values(email["merge_values"], email["email"])
+    elif "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
         recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
                                       (email["recipient"],)).fetchone()
         if recipient is not None:
@@ -9530,13 +9655,14 @@ class _Courier:
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
                 f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts, fromname, fromaddress, replyto, campaign, base_url",
+                "html, attempts, fromname, fromaddress, replyto, campaign, base_url, prepared, "
+                "merge_values",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
         return rows
 
     def recipients(self, rows):
-        ids = [row["recipient"] for row in rows
-               if row["kind"] in ("campaign", "test") and row["recipient"] is not None]
+        ids = [row["recipient"] for row in rows if row["recipient"] is not None and (
+            row["kind"] in ("campaign", "test") or row["prepared"] is not None)]
         if not ids:
             return {}
         marks = ", ".join("?" * len(ids))
@@ -9598,20 +9724,35 @@ class _Courier:
                 "SELECT subject, html, text, tracked, (SELECT count(*) FROM batch_link l "
                 "WHERE l.batch = m.batch AND l.message = m.message) AS links "
                 "FROM batch_message m WHERE batch = ? AND message = ?",
-                (batch_id, message_id)).fetchone() or {**{name: message[name] for name in (
-                    "subject", "html", "text")}, "tracked": None}
+                (batch_id, message_id)).fetchone()
+            sent_as = dict(sent_as) if sent_as else {
+                **{name: message[name] for name in ("subject", "html", "text")}, "tracked": None}
+            if not batch["tracking"]:
+                sent_as["tracked"] = None
+            elif sent_as["tracked"] is None and sent_as["html"]:
+                # a batch made before version 5 kept only its links
+                sent_as["tracked"], links = _track_html(sent_as["html"])
+                sent_as["links"] = len(links)
             campaign = {"id": batch["campaign"], "owner": batch["owner"],
                         "accountprofile": batch["accountprofile"]}
             letter = _message_letter(self.conn, campaign, message, sent_as,
                                     batch["base_url"] or self.run.public_url, self.run.mail_from)
-            letter.links = None  # tracked: how many links the batch keeps
-            if batch["tracking"] and letter.base and sent_as["html"]:
-                if sent_as["tracked"] is not None:   # prepared when the batch was made
-                    letter.html, letter.links = _Template(sent_as["tracked"]), sent_as["links"]
-                else:   # a batch made before version 5 kept only its links
-                    tracked, links = _track_html(sent_as["html"])
-                    letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
+        return letter
+
+    def prepared_letter(self, prepared_id):
+        """The Letter of a prepared message (_prepared()): built as a batch's."""
+        key = ("prepared", prepared_id)
+        letter = self.letters.get(key)
+        if letter is None:
+            row = self.conn.execute(
+                "SELECT p.*, (SELECT count(*) FROM prepared_link l WHERE l.prepared = p.id) "
+                "AS links FROM prepared p WHERE p.id = ?", (prepared_id,)).fetchone()
+            if row is None:
+                raise LookupError(f"prepared message {prepared_id} does not exist")
+            row = dict(row)
+            row["base_url"] = row["base_url"] or self.run.public_url
+            letter = self.letters[key] = _prepared_letter(row, self.run.mail_from)
         return letter
 
     def datasource_fields(self, datasource):
@@ -9621,21 +9762,34 @@ class _Courier:
         return fields
 
     def build(self, row, recipients):
-        """``(sender, email bytes)``, or None when the row must not be sent."""
+        """``(sender, email bytes)``, or None when the row must not be sent.
+
+        A campaign email and an email of a prepared message are built the
+        same way: the prepared Letter, the recipient's merge values (of the
+        row's recipient, who must still be active and not suppressed, else
+        of its merge_values), tracking tokens and the unsubscribe link that
+        name this outbox email, its signed Message-ID and VERP sender."""
         if row["kind"] == "test":
             return self.build_test(row, recipients.get(row["recipient"]))
-        if row["kind"] != "campaign":
+        if row["kind"] != "campaign" and row["prepared"] is None:
             # Ready-made: its sender, if any, is on the row (a sign-up's emails
             # go as the datasource's sender profile, a test send's as the campaign's).
             letter = _Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
                             row["body"] or "", row["html"] or "", from_name=row["fromname"] or "",
                             reply_to=row["replyto"] or "", templated=False)
             return letter.sender, letter.build(row["to_addr"])
-        recipient = recipients.get(row["recipient"])
-        if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
-            return None
-        letter = self.campaign_letter(row["batch"], row["message"])
-        values = _recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
+        if row["prepared"] is not None:
+            letter = self.prepared_letter(row["prepared"])
+        else:
+            letter = self.campaign_letter(row["batch"], row["message"])
+        if row["recipient"] is None and row["prepared"] is not None:
+            values = _merge_values(row["merge_values"], row["to_addr"])
+        else:
+            recipient = recipients.get(row["recipient"])
+            if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
+                return None
+            values = _recipient_values(self.datasource_fields(recipient["datasource"]),
+                                       recipient)
         if letter.links is not None:
             values.update(_tracking_values(self.run.secret, letter.base, row["id"], letter.links))
         # Signed with the outbox id, so that a bounce or complaint that comes
@@ -9643,7 +9797,7 @@ class _Courier:
         # bounce domain) and in the Message-ID that reports quote.
         sender, data = _recipient_email(
             letter, self.run.secret, row["to_addr"], values, row["recipient"],
-            message_id=message_id_for(self.run.secret, row["id"], letter.domain))
+            message_id=message_id_for(self.run.secret, row["id"], letter.domain), outbox=row["id"])
         if self.run.bounce_domain:
             sender = verp_address(self.run.secret, row["id"], self.run.bounce_domain)
         return sender, data
@@ -9655,7 +9809,8 @@ class _Courier:
         to them; a tester's names the tester."""
         sent = {"subject": row["subject"] or "", "text": row["body"] or "",
                 "html": row["html"] or ""}
-        letter = _campaign_letter(row, sent, row["campaign"], row["account"],
+        sender = {name: row[name] for name in ("fromname", "fromaddress", "replyto")}
+        letter = _campaign_letter(sender, sent, row["campaign"], row["account"],
                                   row["base_url"] or self.run.public_url, self.run.mail_from)
         values = {"email": row["to_addr"]} if recipient is None else _recipient_values(
             self.datasource_fields(recipient["datasource"]), recipient)
@@ -9789,11 +9944,12 @@ class _Courier:
                 outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
                 continue
             outcome(row, "failed", "failed", attempts, error=error)
-            if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
+            tracked = row["kind"] == "campaign" or row["prepared"] is not None
+            if tracked and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
                 bounces.append({"type": "hard", "outbox": row["id"]})
                 counts["bounced"] += 1
-            elif row["kind"] == "campaign" and code < 500:
+            elif tracked and code < 500:
                 # Given up on a temporary failure: a soft bounce of this email.
                 bounces.append({"type": "soft", "outbox": row["id"]})
         self.record(results, bounces)

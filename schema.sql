@@ -259,7 +259,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     account     INTEGER NOT NULL REFERENCES account(id),
     kind        TEXT NOT NULL
                 CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
-                       OR kind = 'signup' OR kind = 'test'),
+                       OR kind = 'signup' OR kind = 'test' OR kind = 'automation'
+                       OR kind = 'transactional'),
     batch       INTEGER REFERENCES batch(id),
     message     INTEGER,
     recipient   INTEGER,
@@ -289,7 +290,12 @@ CREATE TABLE IF NOT EXISTS outbox (
     -- version 5: a test send names its campaign (the List-Id and the
     -- unsubscribe link it carries) and where its links point, without a batch
     campaign    INTEGER,
-    base_url    TEXT
+    base_url    TEXT,
+    -- version 6: an email of a prepared message (an automation's, a
+    -- transactional one) names it, and is rendered from it at delivery with the
+    -- merge values of its recipient row, else of merge_values (JSON {name: value})
+    prepared     INTEGER,
+    merge_values TEXT
 );
 -- A batch never queues one address twice, even when the worker runs again
 -- after a crash.
@@ -339,7 +345,8 @@ CREATE TABLE IF NOT EXISTS event (
     outbox   INTEGER,                          -- the email it is about, when known
     email    TEXT COLLATE NOCASE,
     link     INTEGER,                          -- a click: the link's index in its message
-    created  TEXT NOT NULL DEFAULT (datetime('now'))
+    created  TEXT NOT NULL DEFAULT (datetime('now')),
+    prepared INTEGER                           -- version 6: the email's prepared message
 );
 -- The statistics of a batch are read from this index alone (it covers every
 -- column they count), and a campaign's events outside its batches (an
@@ -425,6 +432,46 @@ CREATE TABLE IF NOT EXISTS intake (
     payload TEXT NOT NULL,                     -- its arguments, JSON
     created TEXT NOT NULL DEFAULT (datetime('now'))
 );
+
+-- Version 6 --------------------------------------------------------------------
+
+-- A prepared message: what an email that is not part of a batch (an
+-- automation's step, a transactional email) is built from at delivery, made
+-- once for its scope (what its statistics count under, e.g. 'automation:7:2')
+-- and made again only when its inputs (digest) change: the message in its
+-- template with its CSS inlined, the tracked html (as batch_message.tracked)
+-- with its links in prepared_link, the sender, the List-Id, where its links
+-- point, and whether it is bulk mail (List-Unsubscribe, {{unsubscribe_url}}).
+CREATE TABLE IF NOT EXISTS prepared (
+    id          INTEGER PRIMARY KEY,
+    account     INTEGER NOT NULL REFERENCES account(id),
+    scope       TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    message     INTEGER,
+    subject     TEXT NOT NULL,
+    html        TEXT NOT NULL,
+    text        TEXT NOT NULL,
+    tracked     TEXT,                          -- NULL: not tracked
+    fromname    TEXT NOT NULL DEFAULT '',
+    fromaddress TEXT NOT NULL DEFAULT '',
+    replyto     TEXT NOT NULL DEFAULT '',
+    list_id     TEXT NOT NULL DEFAULT '',      -- '': no List-Id header
+    base_url    TEXT NOT NULL DEFAULT '',      -- '': the worker's public_url
+    bulk        INTEGER NOT NULL DEFAULT 1 CHECK (bulk IN (0, 1)),
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    UNIQUE (scope, digest)
+);
+-- The links of a tracked prepared message by index, as batch_link for a batch.
+CREATE TABLE IF NOT EXISTS prepared_link (
+    prepared INTEGER NOT NULL REFERENCES prepared(id),
+    link     INTEGER NOT NULL,
+    url      TEXT NOT NULL,
+    PRIMARY KEY (prepared, link)
+) WITHOUT ROWID;
+-- The statistics of a prepared message, as event_batch for a batch.
+CREATE INDEX IF NOT EXISTS event_prepared ON event(prepared, kind, outbox, link, created)
+    WHERE prepared IS NOT NULL;
+CREATE INDEX IF NOT EXISTS outbox_prepared ON outbox(prepared, status) WHERE prepared IS NOT NULL;
 
 -- Version 8 --------------------------------------------------------------------
 
