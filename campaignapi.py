@@ -41,13 +41,14 @@ __all__ = [
     "FIELD_TYPES", "RECIPIENT_STATUSES",
     # The record kinds' declarations: their operations are the handlers of ROUTES.
     "ACCOUNTPROFILE", "BATCH", "CAMPAIGN", "DATASOURCE", "EXPORT", "FIELD", "IMPORT", "LINK",
-    "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK",
+    "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK", "TRANSACTIONAL",
 ]
 
 import argparse
 import base64
 import binascii
 import codecs
+import collections
 import concurrent.futures
 import contextlib
 import csv
@@ -1121,6 +1122,12 @@ ALTER TABLE outbox ADD COLUMN IF NOT EXISTS prepared INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS merge_values TEXT;
 ALTER TABLE IF EXISTS event ADD COLUMN IF NOT EXISTS prepared INTEGER;
 """}),
+    # Version 8: the outbox's priority (transactional emails go first); the
+    # SQLite rebuild of version 6 already made it from schema.sql.
+    (8, {"sqlite": lambda conn: _sqlite_add_columns(
+        conn, (("outbox", "priority INTEGER NOT NULL DEFAULT 0"),)),
+         "postgresql": "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS priority BIGINT NOT NULL "
+                       "DEFAULT 0;"}),
 )
 
 
@@ -3522,32 +3529,32 @@ def _campaign_template(conn, account, defaulttemplate, templates_dir):
     return bodies
 
 
-def _param_defaulttemplate(call, value):
+def _param_defaulttemplate(call, value, name="defaulttemplate"):
     """A campaign's ``defaulttemplate`` as stored: '', the id of a live
     template of the caller's, or a file name that stays inside the templates
-    folder (the file itself may come later: verify says when it is missing)."""
+    folder (the file itself may come later: verify says when it is missing).
+    ``name``: the parameter's (a transactional email's ``template``)."""
     if not isinstance(value, str):  # an id may come as a JSON number (705.0 is 705)
         if _as_int(value) is None:
-            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
-                                   "file name.", field="defaulttemplate")
+            raise InvalidParameter(f"'{name}' must be '', a template id or a template "
+                                   "file name.", field=name)
         value = str(_as_int(value))
     value = value.strip(" ")
     if value.isascii() and value.isdigit():
         number = _as_int(value)
         if number is None:
-            raise InvalidParameter("'defaulttemplate' is not a template id.",
-                                   field="defaulttemplate")
+            raise InvalidParameter(f"'{name}' is not a template id.", field=name)
         return str(number)   # a live template of the caller's: the route found it
     if value:
         if not call.service.config["templates_dir"]:
             raise Conflict("This server has no templates folder (the templates_dir setting, "
                            "--templates-dir), so a template file cannot be named; use a "
-                           "template id or ''.", field="defaulttemplate")
+                           "template id or ''.", field=name)
         try:
             for suffix in (".html", ".txt"):
                 _template_file(call.service.config["templates_dir"], value, suffix)
         except ValueError as error:
-            raise InvalidParameter(str(error), field="defaulttemplate") from None
+            raise InvalidParameter(str(error), field=name) from None
     return value
 
 
@@ -4061,7 +4068,8 @@ def _prepared(conn, account, scope, message, sender, *, template=None, tracking=
 
 def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
             sender=None, batch=None, message=None, recipient=None, campaign=None,
-            base_url=None, recipients=None, now=None, prepared=None, merge_values=None):
+            base_url=None, recipients=None, now=None, prepared=None, merge_values=None,
+            priority=None):
     """Queue an email in the outbox, in the caller's transaction: the one way
     every email of the service is sent (campaign emails, test sends, archive
     copies, notifications, sign-up emails); the worker delivers it.
@@ -4096,6 +4104,8 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
     :param prepared: the prepared message (_prepared()) it is built from.
     :param merge_values: ``{name: value}`` (JSON values) that fill an email of a
         prepared message without a recipient row; ``{{email}}`` is ``to_addr``.
+    :param priority: 1: delivered before every due row of a lower one (a
+        transactional email); default 0.
     :returns: the outbox row's id; with ``recipients`` the number queued.
     """
     sender, now = sender or {}, now or _now()
@@ -4106,7 +4116,8 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
               "base_url": base_url, "subject": subject, "body": body,
               "html": html, "fromname": sender.get("fromname"),
               "fromaddress": sender.get("fromaddress") or None,
-              "replyto": sender.get("replyto"), "created": now, "next_try": now}
+              "replyto": sender.get("replyto"), "created": now, "next_try": now,
+              "priority": priority}
     # Only the values given: an untyped NULL in a SELECT list is text on PostgreSQL.
     fields = {name: value for name, value in fields.items() if value is not None}
     marks = ", ".join("?" for _ in fields)
@@ -7443,6 +7454,102 @@ def _test_send(call, child_id, addresses):
 
 
 # ---------------------------------------------------------------------------
+# Transactional email: one message to one address, now, before campaign mail
+# ---------------------------------------------------------------------------
+
+#: A transactional email's status, from its outbox email ('skipped' cannot
+#: happen to one; 'bounced' when a bounce came for it, at once or later).
+_TRANSACTIONAL_STATUS = (
+    "CASE WHEN EXISTS (SELECT 1 FROM event e WHERE e.prepared = o.prepared AND e.kind = 'bounce' "
+    "AND e.outbox = o.id) THEN 'bounced' WHEN o.status = 'skipped' THEN 'failed' "
+    "ELSE o.status END")
+#: When it was first opened or clicked ({kind}: 'open' or 'click').
+_TRANSACTIONAL_FIRST = ("(SELECT min(e.created) FROM event e WHERE e.prepared = o.prepared "
+                        "AND e.kind = '{kind}' AND e.outbox = o.id)")
+_TRANSACTIONAL_STATUSES = ("queued", "sending", "sent", "failed", "bounced")
+
+
+def _transactional_record(call, row):
+    return {"id": str(row["id"]), "to": row["to_addr"], "message": str(row["message"]),
+            "status": row["status"], "error": row["error"], "created": row["created"],
+            "sent": row["sent"], "opened": row["opened"], "clicked": row["clicked"]}
+
+
+def _transactional_values(call, row):
+    """The checks of a transactional email before its record is written:
+    ``to`` is no address the account knows as bounced or complained (it
+    reaches those that unsubscribed from campaigns: it is not bulk mail), the
+    message can be sent, the template wraps it."""
+    conn, account, to = call.conn, call.account, call.params["to"]
+    if not to:
+        raise InvalidParameter("'to' is the address to send the email to.", field="to")
+    known = conn.execute("SELECT reason FROM suppression WHERE account = ? AND email = ? "
+                         "AND reason <> 'unsubscribed'", (account, to)).fetchone()
+    if known is not None:
+        raise Conflict(f"{to} {known['reason']}: this account sends it nothing any more, so "
+                       "nothing was sent.", field="to")
+    message = MESSAGE.find(conn, account, call.params["message"], live=True)
+    if not (message["subject"] or "").strip() or not (message["html"] or message["text"]):
+        raise Conflict(f"Message {message['id']} needs a subject and a body (html or text) "
+                       "before it can be sent.", field="message")
+    template = None
+    if call.get("template") not in (None, ""):
+        try:
+            template = _campaign_template(
+                conn, account, _param_defaulttemplate(call, call.params["template"], "template"),
+                call.service.config["templates_dir"])
+        except _TemplateUnusable as problem:
+            raise Conflict(str(problem), field="template") from None
+    call.memo["transactional"] = message, template
+    return {"to_addr": to, "message": message["id"]}
+
+
+def _transactional_send(call, record_id):
+    """Queue the email, first in line: built at delivery from a prepared
+    message that is not bulk mail (no List-Unsubscribe), filled from ``data``."""
+    message, template = call.memo.pop("transactional")
+    account, tracking = call.account, bool(call.get("tracking", 0))
+    sender = _campaign_sender(call.conn, {"owner": account,
+                                          "accountprofile": call.get("accountprofile")}, message)
+    prepared = _prepared(call.conn, account, f"transactional:{message['id']}", message, sender,
+                         template=template, tracking=tracking,
+                         base_url=call.base_url if tracking else "", bulk=False)
+    outbox = enqueue(call.conn, account, "transactional", call.params["to"],
+                     message=message["id"], prepared=prepared,
+                     merge_values=call.get("data", {}), priority=1)
+    call.conn.execute("UPDATE transactional SET outbox = ? WHERE id = ?", (outbox, record_id))
+
+
+TRANSACTIONAL = Resource(
+    "transactional", "transactional", _transactional_record, soft_delete=False,
+    extra={"create": "to:email! message:int@message! data:object "
+                     "accountprofile:int@accountprofile template:scalar@template tracking:flag"},
+    values=_transactional_values, after_create=_transactional_send,
+    source="transactional JOIN outbox o ON o.id = transactional.outbox",
+    select="transactional.id, transactional.to_addr, transactional.message, "
+           f"transactional.created, o.error, o.sent, {_TRANSACTIONAL_STATUS} AS status, "
+           f"{_TRANSACTIONAL_FIRST.format(kind='open')} AS opened, "
+           f"{_TRANSACTIONAL_FIRST.format(kind='click')} AS clicked",
+    order="transactional.id",
+    filters={"to:email": "transactional.to_addr = ?",
+             "status:" + "|".join(_TRANSACTIONAL_STATUSES): f"{_TRANSACTIONAL_STATUS} = ?"},
+    label="transactional email",
+    fields=_record_schema("id to message status error created sent opened clicked",
+                          status={"type": "string", "enum": list(_TRANSACTIONAL_STATUSES)}),
+    doc={"to": ("The address the email goes to (a listing: only the emails to it).",
+                "ann@example.com", {"not": {"pattern": "^\\s*$"}}),
+         "status": ("Only the emails in this state.", "sent"),
+         "message": ("The message whose subject and bodies the email is.", 1),
+         "data": ("Merge values: {{name}} takes data.name; {{email}} is 'to'.",
+                  {"name": "Ann", "reset_url": "https://shop.example/reset/abc"}),
+         "accountprofile": ("The sender profile, for what the message itself does not set "
+                            "(fromname, fromaddress, replyto).", 1),
+         "template": ("A template id or a template file name that wraps the message.", ""),
+         "tracking": ("1: count opens and clicks (its links go through this API); default 0.",
+                      "0")})
+
+
+# ---------------------------------------------------------------------------
 # Public pages: unsubscribe, sign-up and confirm (signed tokens, not stored;
 # no key needed)
 # ---------------------------------------------------------------------------
@@ -9641,8 +9748,17 @@ class _Courier:
 
     # The database side.
 
-    def claim(self):
+    def claim(self, first=False):
+        """Claim due rows, those of the highest priority first (the index
+        outbox_claim gives them in that order).  ``first``: only rows of a
+        priority above 0 (a transactional email), looked for by a read
+        before any lock is taken."""
         due = self.run.now or _now()
+        priority = "AND priority > 0 " if first else ""
+        if first and not self.conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND priority > 0 "
+                "AND next_try <= ?)", (due,)).fetchone()[0]:
+            return []
         with transaction(self.conn):
             if time.monotonic() - self.looked >= _CLAIM_RENEW:
                 # While busy, also hand a dead worker's rows back to the queue.
@@ -9652,13 +9768,15 @@ class _Courier:
             # On PostgreSQL each worker takes rows no other has locked.
             rows = self.conn.execute(
                 "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
-                "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
-                f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
+                f"WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' {priority}"
+                "AND next_try <= ? ORDER BY priority DESC, next_try LIMIT ? "
+                f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
                 "html, attempts, fromname, fromaddress, replyto, campaign, base_url, prepared, "
-                "merge_values",
+                "merge_values, priority",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
-        return rows
+        # RETURNING keeps no order: the higher priority is sent first.
+        return sorted(rows, key=lambda row: -row["priority"])
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["recipient"] is not None and (
@@ -9898,7 +10016,15 @@ class _Courier:
             results.append((status, attempts, next_try, error, sent, row["id"]))
             counts[counted] += 1
 
-        for row in rows:
+        rows, looked = collections.deque(rows), time.monotonic()
+        while rows:
+            if time.monotonic() - looked >= _PRIORITY_LOOK and not unreachable:
+                # A transactional email queued meanwhile goes before the rest
+                # of the chunk (which may be a minute's work under a rate).
+                looked, first = time.monotonic(), self.claim(first=True)
+                recipients.update(self.recipients(first))
+                rows.extendleft(reversed(first))
+            row = rows.popleft()
             attempts = row["attempts"] + 1
             if unreachable or run.stop.is_set():
                 # Not tried: back to the queue as it was (later if the server is down).
@@ -9955,6 +10081,11 @@ class _Courier:
         self.record(results, bounces)
         run.add(counts, unreachable)
         return unreachable
+
+
+#: Seconds between a courier's looks, within a chunk, for rows of a higher
+#: priority (transactional emails) queued since it claimed the chunk.
+_PRIORITY_LOOK = 0.2
 
 
 def _take_back(conn, now, stale_claim):
@@ -10415,6 +10546,26 @@ class _Worker:
         self.on_event, self.webhook_allow_private = on_event, webhook_allow_private
         self.templates_dir, self.bounce_mailbox, self.delivery = \
             templates_dir, bounce_mailbox, delivery
+        self.look = None   # the delivery thread's connection for outbox_due()
+
+    def outbox_due(self):
+        """Whether deliver() has work: a row due, or a claim a dead worker
+        left.  One read on a connection the delivery thread keeps, so it may
+        look every _PRIORITY_LOOK seconds (a transactional email waits no
+        longer) at little cost."""
+        stale = (datetime.datetime.now(datetime.timezone.utc)
+                 - self.delivery.get("stale_claim", _STALE_CLAIM)).strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            self.look = self.look or connect(self.db)
+            return bool(self.look.execute(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND next_try <= ?) "
+                "OR EXISTS (SELECT 1 FROM outbox WHERE status = 'sending' AND claimed_at < ?)",
+                (_now(), stale)).fetchone()[0])
+        except Exception:   # a lost connection: deliver() looks (and reports) itself
+            with contextlib.suppress(Exception):
+                self.look.close()
+            self.look = None
+            return True
 
 
 def _make_due_batches(worker):
@@ -10440,6 +10591,8 @@ def _deliver_events(worker):
 
 
 def _deliver_outbox(worker):
+    if not worker.outbox_due():
+        return False
     counts = deliver(worker.db, worker.smtp, stop=worker.stop_event, on_event=worker.on_event,
                      **worker.delivery)
     if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
@@ -10481,7 +10634,7 @@ _WORKER_STEPS = (
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
     _Step("batches", _purge_keys),   # Idempotency-Key answers expire after 24 hours
     _Step("webhooks", _deliver_events),
-    _Step("delivery", _deliver_outbox, needs="smtp"),
+    _Step("delivery", _deliver_outbox, needs="smtp", every=_PRIORITY_LOOK),
     _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
 )
 
@@ -10547,6 +10700,8 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
     while any(thread.is_alive() for thread in threads):
         for thread in threads:
             thread.join(0.5)
+    if worker.look is not None:
+        worker.look.close()
 
 
 # ---------------------------------------------------------------------------
@@ -11108,6 +11263,11 @@ ROUTES = [
                                                    {"required": ["test"]}]}),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
+
+    # Transactional email: one message to one address now, before campaign mail
+    Route("GET",    "/transactional/{id:int|all}", "read", TRANSACTIONAL.get),
+    Route("PUT",    "/transactional/{id}", "create", TRANSACTIONAL.create,
+          summary="Send a transactional email"),
 
     # Webhooks: stored events posted to services elsewhere, signed
     Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),

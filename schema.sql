@@ -295,12 +295,17 @@ CREATE TABLE IF NOT EXISTS outbox (
     -- transactional one) names it, and is rendered from it at delivery with the
     -- merge values of its recipient row, else of merge_values (JSON {name: value})
     prepared     INTEGER,
-    merge_values TEXT
+    merge_values TEXT,
+    -- version 8: claimed before every row of a lower priority that is due
+    -- (1: a transactional email; 0: the rest)
+    priority     INTEGER NOT NULL DEFAULT 0
 );
 -- A batch never queues one address twice, even when the worker runs again
 -- after a crash.
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
+-- Delivery claims in this order: the first rows of a higher priority, then by time.
+CREATE INDEX IF NOT EXISTS outbox_claim ON outbox(status, priority DESC, next_try);
 CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
 -- Bounces and complaints find the emails sent to an address (soft bounces in a
 -- row, the accounts that mailed it lately).
@@ -493,3 +498,15 @@ CREATE TABLE IF NOT EXISTS idempotency_key (
     PRIMARY KEY (scope, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_key_created ON idempotency_key(created);
+
+-- A transactional email (PUT /v1/transactional/0): one message to one address
+-- now, sent as its outbox email (status, error and times are that row's).
+CREATE TABLE IF NOT EXISTS transactional (
+    id      INTEGER PRIMARY KEY,
+    owner   INTEGER NOT NULL REFERENCES account(id),
+    to_addr TEXT NOT NULL COLLATE NOCASE,
+    message INTEGER NOT NULL REFERENCES message(id),
+    outbox  INTEGER REFERENCES outbox(id),    -- set in the transaction that writes the row
+    created TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS transactional_owner ON transactional(owner, to_addr);
