@@ -6375,6 +6375,14 @@ def _cancel_if_unscheduled(call, campaign_id):
 
 #: ``scheduled`` is derived, not stored: 1 while the campaign has a batch
 #: waiting for its time (read in the same statement as the record).
+#: A template as a parameter names it (a campaign's defaulttemplate, a
+#: transactional email's template): an id, or a file name that stays in the folder.
+_TEMPLATE_VALUE = {"anyOf": [
+    {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+    {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
+     "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + _TEMPLATE_NAME_REFUSED + "]*$"}]}
+
+
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
@@ -6404,11 +6412,7 @@ CAMPAIGN = Resource(
                             "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
                             "the server's templates folder ('NAME.html' is NAME too). A text of "
                             "digits is an id. Surrounding spaces are trimmed.", "",
-                            {"anyOf": [
-                                {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                                {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
-                                 "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + _TEMPLATE_NAME_REFUSED
-                                 + "]*$"}]}),
+                            _TEMPLATE_VALUE),
         "thumbnail": ("A URL of a picture of the campaign, for people.",
                       "https://example.com/thumb.png"),
         "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
@@ -7544,7 +7548,9 @@ TRANSACTIONAL = Resource(
                   {"name": "Ann", "reset_url": "https://shop.example/reset/abc"}),
          "accountprofile": ("The sender profile, for what the message itself does not set "
                             "(fromname, fromaddress, replyto).", 1),
-         "template": ("A template id or a template file name that wraps the message.", ""),
+         "template": ("A template id, or the name NAME of a file NAME.html (and NAME.txt) in "
+                      "the server's templates folder, that wraps the message ('' none).", "",
+                      _TEMPLATE_VALUE),
          "tracking": ("1: count opens and clicks (its links go through this API); default 0.",
                       "0")})
 
