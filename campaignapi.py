@@ -35,19 +35,20 @@ __all__ = [
     "ApiError", "InvalidJson", "MissingParameter", "InvalidParameter", "UnknownParameter",
     "InvalidIdentifier", "InvalidHost", "Unauthorized", "InsufficientAccess", "NotFound",
     "MethodNotAllowed", "Conflict", "VerificationFailed", "PayloadTooLarge",
-    "UnsupportedMediaType", "InvalidData", "TooManyRequests",
+    "UnsupportedMediaType", "InvalidData", "TooManyRequests", "IdempotencyKeyReused",
     "sign_token", "read_token", "unsubscribe_token", "read_unsubscribe_token", "suppress",
     "log_to_stderr", "INTEGRITY_ERRORS", "SCHEMA_VERSION", "MAX_ID", "MAX_EXPLICIT_ID",
     "FIELD_TYPES", "RECIPIENT_STATUSES",
     # The record kinds' declarations: their operations are the handlers of ROUTES.
     "ACCOUNTPROFILE", "BATCH", "CAMPAIGN", "DATASOURCE", "EXPORT", "FIELD", "IMPORT", "LINK",
-    "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK",
+    "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK", "TRANSACTIONAL",
 ]
 
 import argparse
 import base64
 import binascii
 import codecs
+import collections
 import concurrent.futures
 import contextlib
 import csv
@@ -137,7 +138,7 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 8
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -236,6 +237,11 @@ class UnsupportedMediaType(ApiError):
 
 class InvalidData(ApiError):
     status, code = 422, "invalid_data"
+
+
+class IdempotencyKeyReused(ApiError):
+    """An Idempotency-Key sent again with another method, path or body."""
+    status, code = 422, "idempotency_key_reused"
 
 
 class TooManyRequests(ApiError):
@@ -1101,13 +1107,36 @@ ALTER TABLE batch_message ADD COLUMN IF NOT EXISTS tracked TEXT;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
 """}),
+    # Version 6: prepared messages (tables in schema.sql): an outbox email and
+    # an event name theirs; the outbox takes the kinds 'automation' and
+    # 'transactional' (SQLite rebuilds it as schema.sql declares it).
+    (6, {"sqlite": lambda conn: (_rebuild_table(conn, "outbox", _schema_table("outbox")),
+                                 _sqlite_add_columns(conn, (("event", "prepared INTEGER"),))),
+         "postgresql": """
+ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
+ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
+    CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
+           OR kind = 'signup' OR kind = 'test' OR kind = 'automation'
+           OR kind = 'transactional');
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS prepared INTEGER;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS merge_values TEXT;
+ALTER TABLE IF EXISTS event ADD COLUMN IF NOT EXISTS prepared INTEGER;
+"""}),
+    # Version 8: the outbox's priority (transactional emails go first); the
+    # SQLite rebuild of version 6 already made it from schema.sql.
+    (8, {"sqlite": lambda conn: _sqlite_add_columns(
+        conn, (("outbox", "priority INTEGER NOT NULL DEFAULT 0"),)),
+         "postgresql": "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS priority BIGINT NOT NULL "
+                       "DEFAULT 0;"}),
 )
 
 
 def _sqlite_add_columns(conn, columns):
-    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks."""
+    """Add each ``(table, "name TYPE")`` of ``columns`` the table lacks (a
+    table not there yet comes whole from schema.sql)."""
     for table, column in columns:
-        if column.split()[0] not in {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if have and column.split()[0] not in have:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
@@ -2743,6 +2772,177 @@ def _loggable_path(path, raw_ids):
     return path
 
 
+# Idempotency keys --------------------------------------------------------------
+#
+# A PUT or POST with ``Idempotency-Key: K`` is done once (the IETF draft's
+# header, as Stripe keeps it).  The pipeline claims K in the database before
+# the handler runs: a committed row, so every thread, process and host sees
+# it, and of two requests with one key exactly one inserts it.  The 2xx
+# answer is then kept on that row in the request's own transaction, so its
+# writes and the kept answer commit together or not at all; a request that
+# fails (or answers anything but 2xx) removes its claim, and the key may be
+# used again.  Routes that do not run as one transaction (the public writes,
+# a bounce report) keep their answer right after the handler.
+
+#: An Idempotency-Key: 1 to 255 visible ASCII characters, on these methods.
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_KEYED_METHODS = ("PUT", "POST")
+#: Seconds a kept answer is replayed.
+_KEY_KEPT = 24 * 3600
+#: Seconds after which a claim whose request never ended (its process died)
+#: may be taken over by a repeat.  Should the first still run, it cannot keep
+#: its answer (the claim's token changed) and rolls back: one effect still.
+_KEY_LEASE = 600
+#: Seconds a repeat is told to wait (Retry-After) while the first runs.
+_KEY_RETRY_AFTER = 1
+
+
+class _Keyed:
+    """A request with an Idempotency-Key: claim() before the handler,
+    keep() its answer, or release() the claim when it failed."""
+
+    def __init__(self, scope, key, request):
+        self.scope, self.key, self.request = scope, key, request
+        self.token = None   # the claim's, once claimed
+        self.kept = False
+
+    @classmethod
+    def of(cls, method, environ, account, limit):
+        """The request's key (None without the header, or on a method that
+        takes none).  Reads the body (up to ``limit``) for the request's
+        fingerprint, and puts the same bytes back for whoever reads it next."""
+        key = environ.get("HTTP_IDEMPOTENCY_KEY")
+        if key is None or method not in _KEYED_METHODS:
+            return None
+        if not _IDEMPOTENCY_KEY.fullmatch(key):
+            raise InvalidParameter("The Idempotency-Key header must be 1 to 255 visible ASCII "
+                                   "characters (no spaces).", field="Idempotency-Key")
+        body = _read_body(environ, limit)
+        environ["wsgi.input"], environ["CONTENT_LENGTH"] = io.BytesIO(body), str(len(body))
+        environ.pop("HTTP_TRANSFER_ENCODING", None)
+        target = f"{method} {environ.get('PATH_INFO', '')}?{environ.get('QUERY_STRING', '')}\n"
+        request = hashlib.sha256(target.encode("utf-8", "backslashreplace") + body).hexdigest()
+        scope = f"account:{account}" if account is not None else \
+            f"client:{environ.get('REMOTE_ADDR', '')}"
+        return cls(scope, key, request)
+
+    def claim(self, conn):
+        """Claim the key for this request: None, the handler may run.  A
+        repeat gets the kept answer (_Kept), or 409 while the first runs; the
+        key with another request, 422.  Looked up before the claim is written,
+        so a repeat never waits for the write lock (SQLite's) to be answered."""
+        now, token = _now(), secrets.token_hex(16)
+        expired, abandoned = _shift(now, -_KEY_KEPT), _shift(now, -_KEY_LEASE)
+        for _ in range(3):   # a claim removed or taken over meanwhile: look again
+            row = conn.execute("SELECT request, status, answer, created FROM idempotency_key "
+                               "WHERE scope = ? AND key = ?", (self.scope, self.key)).fetchone()
+            if row is not None and row[3] >= (abandoned if row[1] is None else expired):
+                if row[0] != self.request:
+                    raise IdempotencyKeyReused(
+                        "This Idempotency-Key was used for another request (method, path or "
+                        "body) in the last 24 hours: send a new key for a new request.",
+                        field="Idempotency-Key")
+                if row[1] is None:
+                    break
+                return _Kept(row[1], json.loads(row[2]))
+            with transaction(conn):
+                if conn.execute(
+                        "INSERT INTO idempotency_key (scope, key, request, token, created) "
+                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
+                        "request = excluded.request, token = excluded.token, status = NULL, "
+                        "answer = NULL, created = excluded.created "
+                        "WHERE idempotency_key.created < ? OR (idempotency_key.status IS NULL "
+                        "AND idempotency_key.created < ?)",
+                        (self.scope, self.key, self.request, token, now, expired,
+                         abandoned)).rowcount:
+                    self.token = token
+                    return None
+        error = Conflict("A request with this Idempotency-Key is still running: ask again "
+                         "in a moment for its answer.", field="Idempotency-Key")
+        error.headers["Retry-After"] = str(_KEY_RETRY_AFTER)
+        raise error
+
+    def keep(self, conn, outcome):
+        """Keep ``outcome`` on the claim, in the caller's transaction, when
+        it is a 2xx answer; False when it is not (release() the claim)."""
+        kept = _Kept.of(outcome)
+        if kept is None:
+            return False
+        if not conn.execute(
+                "UPDATE idempotency_key SET status = ?, answer = ? "
+                "WHERE scope = ? AND key = ? AND token = ?",
+                (kept.status, _to_json(kept.answer), self.scope, self.key, self.token)).rowcount:
+            raise Conflict("This request ran so long that a repeat with its Idempotency-Key "
+                           "took over; nothing was changed.", field="Idempotency-Key")
+        self.kept = True
+        return True
+
+    def release(self, conn):
+        """Remove the claim of a request that failed (if it is still ours)."""
+        if self.token is None or self.kept:
+            return
+        try:
+            with transaction(conn):
+                conn.execute("DELETE FROM idempotency_key WHERE scope = ? AND key = ? "
+                             "AND token = ?", (self.scope, self.key, self.token))
+        except Exception:   # the database is gone: the claim ends with its lease
+            _log.exception("the claim of Idempotency-Key %r stays until its lease ends",
+                           self.key)
+        self.token = None
+
+
+class _Kept:
+    """A kept answer: its status and {"data": ...} of an envelope, or
+    {"body": ..., "headers": ...} of a page; replayed with Idempotent-Replayed."""
+
+    #: Headers of the answer that are not kept (they are made again).
+    _MADE = ("content-length", "content-type", "x-response-id", "set-cookie")
+
+    def __init__(self, status, answer):
+        self.status, self.answer = status, answer
+
+    @classmethod
+    def of(cls, outcome):
+        """The answer to keep, or None for one that is not kept (not 2xx)."""
+        if isinstance(outcome, ApiError):
+            return None
+        if isinstance(outcome, bottle.HTTPResponse):
+            if not 200 <= outcome.status_code < 300 or not isinstance(outcome.body, str):
+                return None
+            return cls(outcome.status_code, {"body": outcome.body, "headers": {
+                name: value for name, value in outcome.headerlist
+                if name.lower() not in ("content-length", "x-response-id")}})
+        return cls(200, {"data": outcome, "headers": {
+            name: value for name, value in bottle.response.headerlist
+            if name.lower() not in cls._MADE}})
+
+    def replay(self, response_id):
+        """The kept answer again, under a new responseId."""
+        headers = {**self.answer["headers"], "Idempotent-Replayed": "true"}
+        if "body" in self.answer:
+            return bottle.HTTPResponse(self.answer["body"], self.status,
+                                       {**headers, "X-Response-Id": response_id})
+        return _respond(self.status, _envelope(response_id, True, self.answer["data"]), headers)
+
+
+def _purge_idempotency_keys(db, limit=1000):
+    """Delete kept answers and claims older than _KEY_KEPT, at most ``limit``
+    per call (the worker runs it).
+
+    :returns: how many were deleted.
+    """
+    cutoff = _shift(_now(), -_KEY_KEPT)
+    conn = connect(db)
+    try:
+        with transaction(conn):
+            return conn.execute(
+                "DELETE FROM idempotency_key WHERE (scope, key) IN (SELECT scope, key "
+                "FROM idempotency_key WHERE created < ? ORDER BY created LIMIT ?)",
+                (cutoff, limit)).rowcount
+    finally:
+        conn.close()
+
+
 _response_ids = random.Random(os.urandom(32))
 
 
@@ -2818,6 +3018,7 @@ class _Service:
         """The request pipeline: every route goes through here."""
         response_id, started = _new_response_id(), time.perf_counter()
         request = bottle.request
+        keyed = None
         try:
             _param_path(request.environ)
             conn = self.conn()
@@ -2827,16 +3028,25 @@ class _Service:
                 _require_level(key, route.level)
                 account = key["account"]
             ids = route.parse_ids(raw_ids)
+            keyed = _Keyed.of(route.method, request.environ, account, self.config["max_body"])
             params = _parse_params(route, request.environ, self.config["max_body"])
             call = _Call(conn, account, params, self, response_id)
+            kept = keyed and keyed.claim(conn)
+            if kept:
+                return self.finish(response_id, started, kept, raw_ids)
             if route.later:
                 outcome = route.run(call, ids)
                 self.intake.take(call)
             elif route.writes:
                 with transaction(conn):
                     outcome = route.run(call, ids)
+                    if keyed:   # the answer commits with the writes, or neither does
+                        keyed.keep(conn, outcome)
             else:
                 outcome = route.run(call, ids)
+            if keyed and keyed.token and not keyed.kept:
+                with transaction(conn):
+                    keyed.keep(conn, outcome)
             if call.memo.get("events") and self.config["on_event"]:
                 _run_callbacks(self.config["on_event"], call.memo["events"])
         except ApiError as error:
@@ -2847,6 +3057,8 @@ class _Service:
         except Exception:
             _log.exception("internal error, responseId %s", response_id)
             outcome = _internal_error(response_id)
+        if keyed is not None:   # a failed request (or one not 2xx) frees its key
+            keyed.release(self.conn())
         return self.finish(response_id, started, outcome, raw_ids)
 
     def finish(self, response_id, started, outcome, raw_ids=None):
@@ -2861,6 +3073,8 @@ class _Service:
             status = outcome.status
             answer = _respond(status, _envelope(response_id, False, outcome.data()),
                               outcome.headers)
+        elif isinstance(outcome, _Kept):
+            status, answer = outcome.status, outcome.replay(response_id)
         else:
             status, answer = 200, _respond(200, _envelope(response_id, True, outcome))
         if _log.isEnabledFor(logging.INFO):  # the arguments cost, even unlogged
@@ -3315,32 +3529,32 @@ def _campaign_template(conn, account, defaulttemplate, templates_dir):
     return bodies
 
 
-def _param_defaulttemplate(call, value):
+def _param_defaulttemplate(call, value, name="defaulttemplate"):
     """A campaign's ``defaulttemplate`` as stored: '', the id of a live
     template of the caller's, or a file name that stays inside the templates
-    folder (the file itself may come later: verify says when it is missing)."""
+    folder (the file itself may come later: verify says when it is missing).
+    ``name``: the parameter's (a transactional email's ``template``)."""
     if not isinstance(value, str):  # an id may come as a JSON number (705.0 is 705)
         if _as_int(value) is None:
-            raise InvalidParameter("'defaulttemplate' must be '', a template id or a template "
-                                   "file name.", field="defaulttemplate")
+            raise InvalidParameter(f"'{name}' must be '', a template id or a template "
+                                   "file name.", field=name)
         value = str(_as_int(value))
     value = value.strip(" ")
     if value.isascii() and value.isdigit():
         number = _as_int(value)
         if number is None:
-            raise InvalidParameter("'defaulttemplate' is not a template id.",
-                                   field="defaulttemplate")
+            raise InvalidParameter(f"'{name}' is not a template id.", field=name)
         return str(number)   # a live template of the caller's: the route found it
     if value:
         if not call.service.config["templates_dir"]:
             raise Conflict("This server has no templates folder (the templates_dir setting, "
                            "--templates-dir), so a template file cannot be named; use a "
-                           "template id or ''.", field="defaulttemplate")
+                           "template id or ''.", field=name)
         try:
             for suffix in (".html", ".txt"):
                 _template_file(call.service.config["templates_dir"], value, suffix)
         except ValueError as error:
-            raise InvalidParameter(str(error), field="defaulttemplate") from None
+            raise InvalidParameter(str(error), field=name) from None
     return value
 
 
@@ -3542,6 +3756,14 @@ def _click_target(url, values):
     return urllib.parse.quote(filled, safe="!#$%&'()*+,-./:;=?@[]_~")
 
 
+def _merge_values(stored, to_addr):
+    """The merge values of an email without a recipient row: its outbox
+    row's merge_values (JSON, see enqueue()) as text, ``{{email}}`` its address."""
+    values = {name: "" if value is None else value if isinstance(value, str) else _to_json(value)
+              for name, value in json.loads(stored or "{}").items()}
+    return {**values, "email": to_addr}
+
+
 # Unsubscribe links -----------------------------------------------------------
 
 def _unsubscribe_url(secret, base, account, address, campaign=None):
@@ -3552,16 +3774,16 @@ def _unsubscribe_url(secret, base, account, address, campaign=None):
     return f"{base.rstrip('/')}/v1/unsubscribe/{unsubscribe_token(secret, account, address, campaign)}"
 
 
-def _email_unsubscribe_url(secret, base, campaign, recipient):
-    """The one-click unsubscribe link of a campaign's emails to one recipient:
-    opaque, it names the campaign and the recipient row (the address, the
-    account and the email that carried it are looked up), and it is the same
-    for every email of the campaign to that recipient, so a preview shows the
-    link the email will carry.
+def _email_unsubscribe_url(secret, base, *names):
+    """The one-click unsubscribe link of an email, opaque.  A campaign's
+    names ``(campaign, recipient row)`` (the address, the account and the
+    email that carried it are looked up): the same for every email of the
+    campaign to that recipient, so a preview shows the link the email will
+    carry.  An email of a prepared message names ``(outbox email,)``.
 
     :param base: where the API is reachable (public_url or a batch's base_url).
     """
-    token = sign_token(secret, "unsubscribe", campaign, recipient)
+    token = sign_token(secret, "unsubscribe", *names)
     return f"{base.rstrip('/')}/v1/unsubscribe/{token}"
 
 
@@ -3706,6 +3928,11 @@ def _campaign_sender(conn, campaign, message):
             for name in ("fromname", "fromaddress", "replyto")}
 
 
+def _list_id(scope, number, account):
+    """The List-Id of a campaign's (``scope`` 'campaign') or an automation's emails."""
+    return f"<{scope}-{number}.{account}.campaignapi>"
+
+
 def _message_letter(conn, campaign, message, sent, base, mail_from):
     """The Letter of one campaign message, as delivery, preview and test
     sends all build it.
@@ -3722,33 +3949,60 @@ def _message_letter(conn, campaign, message, sent, base, mail_from):
 
 
 def _campaign_letter(sender, sent, campaign, account, base, mail_from):
-    """The Letter of a campaign's prepared message ``sent`` as ``sender``
-    (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
-    campaign's List-Id, its unsubscribe links pointing at ``base``."""
-    letter = _Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
-                    sent["html"], from_name=sender["fromname"] or "",
-                    reply_to=sender["replyto"] or "",
-                    list_id=f"<campaign-{campaign}.{account}.campaignapi>")
-    letter.campaign, letter.account = campaign, account
-    letter.base = (base or "").rstrip("/")
+    """The Letter of a campaign's prepared message ``sent`` (``{"subject",
+    "html", "text"}``, with ``"tracked", "links"`` when its batch tracks) as
+    ``sender`` (``{"fromname", "fromaddress", "replyto"}``, empty:
+    ``mail_from``): the campaign's List-Id, its links pointing at ``base``."""
+    return _prepared_letter({**sent, **sender, "account": account, "campaign": campaign,
+                             "list_id": _list_id("campaign", campaign, account),
+                             "base_url": base, "bulk": 1}, mail_from)
+
+
+def _prepared_letter(prepared, mail_from):
+    """The Letter of a prepared message, the one way every campaign-grade
+    email is built: a batch's message (_campaign_letter()) or a row of the
+    prepared table (_prepared()).
+
+    :param prepared: a mapping with subject, html, text, fromname,
+        fromaddress (empty: ``mail_from``), replyto, list_id ('' none),
+        base_url (where its links point; '' none: untracked, no unsubscribe
+        link), bulk (List-Unsubscribe and {{unsubscribe_url}}), account, and
+        optionally campaign (its unsubscribe links name the campaign and the
+        recipient; without: the outbox email), tracked (the html of
+        _track_html(); None or absent: untracked) and links (how many).
+    """
+    letter = _Letter(prepared["fromaddress"] or mail_from, prepared["subject"], prepared["text"],
+                    prepared["html"], from_name=prepared["fromname"] or "",
+                    reply_to=prepared["replyto"] or "", list_id=prepared["list_id"] or None)
+    letter.campaign, letter.account = prepared.get("campaign"), prepared["account"]
+    letter.base, letter.bulk = (prepared["base_url"] or "").rstrip("/"), bool(prepared["bulk"])
+    letter.links = None  # tracked: how many links the prepared message keeps
+    if prepared.get("tracked") is not None and letter.base and prepared["html"]:
+        letter.html, letter.links = _Template(prepared["tracked"]), prepared["links"]
     return letter
 
 
-def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None):
-    """``(sender, email bytes)`` of a campaign Letter for one recipient: the
-    merge ``values`` with the unsubscribe link.
+def _recipient_email(letter, secret, to_addr, values, recipient=None, message_id=None,
+                     outbox=None):
+    """``(sender, email bytes)`` of a prepared Letter for one recipient: the
+    merge ``values`` with the unsubscribe link (bulk mail only).
 
-    :param recipient: the recipient's id: the link names it and the campaign,
-        opaquely, so delivery and preview give the same link.  None (a test
-        send): the link names ``to_addr``, the tester, instead.
+    :param recipient: the recipient's id: a campaign's link names it and the
+        campaign, opaquely, so delivery and preview give the same link.  None
+        (a test send): the link names ``to_addr``, the tester, instead.
+    :param outbox: the outbox email: the link of a prepared message names it.
     """
     link = None
-    if letter.base and recipient is not None:
+    if not letter.base or not letter.bulk:
+        pass
+    elif letter.campaign is None:
+        link = outbox is not None and _email_unsubscribe_url(secret, letter.base, outbox)
+    elif recipient is not None:
         link = _email_unsubscribe_url(secret, letter.base, letter.campaign, recipient)
-    elif letter.base:
+    else:
         link = _unsubscribe_url(secret, letter.base, letter.account, to_addr, letter.campaign)
     values["unsubscribe_url"] = link or ""
-    return letter.sender, letter.build(to_addr, values, link, message_id)
+    return letter.sender, letter.build(to_addr, values, link or None, message_id)
 
 
 # Preparing a campaign message ---------------------------------------------------
@@ -3767,21 +4021,69 @@ def _prepare_message(message, template):
     return {"subject": message["subject"], "html": _inline_css(html_body), "text": text_body}
 
 
+def _prepared(conn, account, scope, message, sender, *, template=None, tracking=False,
+              base_url="", list_id="", bulk=True):
+    """The prepared message (its id) that emails of ``scope`` outside a batch
+    are built from at delivery: found when one with the same inputs exists,
+    else made once, in the caller's transaction, as a batch prepares its
+    messages: _prepare_message(), and with ``tracking`` _track_html() with
+    its links kept in prepared_link (a click token resolves the URL there).
+    Queue its emails with enqueue(..., prepared=id); their events name it.
+
+    :param scope: what its statistics count under ('automation:A:S', ...).
+    :param message: the message row (subject, html, text, id).
+    :param sender: ``{"fromname", "fromaddress", "replyto"}`` (_campaign_sender()).
+    :param template: ``(html, text)`` that wraps the message, or None.
+    :param base_url: where its links point ('' the worker's public_url).
+    :param list_id: its List-Id header ('' none; see _list_id()).
+    :param bulk: bulk mail: List-Unsubscribe and {{unsubscribe_url}}.
+    """
+    inputs = [message["id"], message["subject"], message["html"], message["text"],
+              template and list(template), [sender.get(name) or "" for name in (
+                  "fromname", "fromaddress", "replyto")], bool(tracking), base_url or "",
+              list_id or "", bool(bulk)]
+    digest = hashlib.sha256(_to_json(inputs).encode("utf-8")).hexdigest()
+    row = conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
+                       (scope, digest)).fetchone()
+    if row is not None:
+        return row[0]
+    sent = _prepare_message(message, template)
+    tracked, links = _track_html(sent["html"]) if tracking and sent["html"] else (None, [])
+    row = conn.execute(
+        "INSERT INTO prepared (account, scope, digest, message, subject, html, text, tracked, "
+        "fromname, fromaddress, replyto, list_id, base_url, bulk, created) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (scope, digest) DO NOTHING RETURNING id",
+        (account, scope, digest, message["id"], sent["subject"], sent["html"], sent["text"],
+         tracked, *inputs[5], list_id or "", base_url or "", int(bool(bulk)), _now())).fetchone()
+    if row is None:   # another transaction made it meanwhile
+        return conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
+                            (scope, digest)).fetchone()[0]
+    conn.executemany("INSERT INTO prepared_link (prepared, link, url) VALUES (?, ?, ?)",
+                     [(row[0], index, url) for index, url in enumerate(links)])
+    return row[0]
+
+
 # The outbox ------------------------------------------------------------------
 
 def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
             sender=None, batch=None, message=None, recipient=None, campaign=None,
-            base_url=None, recipients=None, now=None):
+            base_url=None, recipients=None, now=None, prepared=None, merge_values=None,
+            priority=None):
     """Queue an email in the outbox, in the caller's transaction: the one way
     every email of the service is sent (campaign emails, test sends, archive
     copies, notifications, sign-up emails); the worker delivers it.
 
     A campaign email carries no content: delivery renders it from its batch's
-    prepared message (see _archive_message()).  A test send carries its
+    prepared message (see _archive_message()); so does an email of a
+    prepared message (an automation's, a transactional one: see _prepared()),
+    from that message, with its recipient row's merge values or, with no
+    recipient row, ``merge_values``.  A test send carries its
     prepared message with the merge tags still in it, filled at delivery by
     the same code.  Other mail carries its ready subject and bodies.
 
-    :param kind: 'campaign', 'test', 'archive', 'notification' or 'signup'.
+    :param kind: 'campaign', 'test', 'archive', 'notification', 'signup',
+        'automation' or 'transactional'.
     :param to_addr: the address; none with ``recipients`` (each one's own).
     :param subject: the subject; ``body`` the plain text, ``html`` an
         optional HTML alternative.
@@ -3799,14 +4101,23 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
         statement however many they are (a batch's segment), in address
         order; an address already queued for ``batch`` is skipped.
     :param now: the time it is queued and due ('YYYY-MM-DD HH:MM:SS' UTC).
+    :param prepared: the prepared message (_prepared()) it is built from.
+    :param merge_values: ``{name: value}`` (JSON values) that fill an email of a
+        prepared message without a recipient row; ``{{email}}`` is ``to_addr``.
+    :param priority: 1: delivered before every due row of a lower one (a
+        transactional email); default 0.
     :returns: the outbox row's id; with ``recipients`` the number queued.
     """
     sender, now = sender or {}, now or _now()
+    if merge_values is not None:
+        merge_values = _to_json(merge_values)
     fields = {"account": account, "kind": kind, "batch": batch, "message": message,
-              "campaign": campaign, "base_url": base_url, "subject": subject, "body": body,
+              "campaign": campaign, "prepared": prepared, "merge_values": merge_values,
+              "base_url": base_url, "subject": subject, "body": body,
               "html": html, "fromname": sender.get("fromname"),
               "fromaddress": sender.get("fromaddress") or None,
-              "replyto": sender.get("replyto"), "created": now, "next_try": now}
+              "replyto": sender.get("replyto"), "created": now, "next_try": now,
+              "priority": priority}
     # Only the values given: an untyped NULL in a SELECT list is text on PostgreSQL.
     fields = {name: value for name, value in fields.items() if value is not None}
     marks = ", ".join("?" for _ in fields)
@@ -3937,6 +4248,9 @@ def emit(conn, account, kind, data, pending=None):
 #: weaker one (a complaint outranks an unsubscribe, which outranks a bounce),
 #: never the other way round.  Each also names its statistics event.
 _SUPPRESSIONS = {"bounced": "bounce", "unsubscribed": "unsubscribe", "complained": "complaint"}
+#: An event's prepared message: its email's (SQL, the outbox id a parameter),
+#: so the statistics of a prepared message count what its emails caused.
+_EMAIL_PREPARED = "(SELECT prepared FROM outbox WHERE id = ?)"
 _RANK = "CASE {} WHEN 'bounced' THEN 1 WHEN 'unsubscribed' THEN 2 ELSE 3 END"
 
 
@@ -3969,9 +4283,9 @@ def suppress(conn, account, address, reason, campaign=None, *, batch=None, outbo
         (reason, now, address, *weaker, account))
     if not changed:
         return False
-    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (account, _SUPPRESSIONS[reason], campaign, batch, outbox, address, now))
+    conn.execute("INSERT INTO event (account, kind, campaign, batch, outbox, email, created, "
+                 f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
+                 (account, _SUPPRESSIONS[reason], campaign, batch, outbox, address, now, outbox))
     emit(conn, account, f"recipient.{reason}",
          {"email": address, "campaign": campaign and str(campaign),
           "batch": batch and str(batch)}, pending)
@@ -4047,9 +4361,9 @@ def _soft_bounce_run(conn, account, address):
 def _soft_bounce(conn, account, address, campaign, batch, outbox, pending):
     """Count a soft bounce (once per email); the _SOFT_BOUNCE_LIMIT-th in a row bounces."""
     if not conn.execute(
-            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
-            "VALUES (?, 'softbounce', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            (account, campaign, batch, outbox, address, _now())).rowcount:
+            "INSERT INTO event (account, kind, campaign, batch, outbox, email, created, prepared) "
+            f"VALUES (?, 'softbounce', ?, ?, ?, ?, ?, {_EMAIL_PREPARED}) ON CONFLICT DO NOTHING",
+            (account, campaign, batch, outbox, address, _now(), outbox)).rowcount:
         return   # a second report of the same email (event_softbounce_once)
     if _soft_bounce_run(conn, account, address) >= _SOFT_BOUNCE_LIMIT:
         suppress(conn, account, address, "bounced", campaign, batch=batch, outbox=outbox,
@@ -6061,6 +6375,14 @@ def _cancel_if_unscheduled(call, campaign_id):
 
 #: ``scheduled`` is derived, not stored: 1 while the campaign has a batch
 #: waiting for its time (read in the same statement as the record).
+#: A template as a parameter names it (a campaign's defaulttemplate, a
+#: transactional email's template): an id, or a file name that stays in the folder.
+_TEMPLATE_VALUE = {"anyOf": [
+    {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+    {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
+     "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + _TEMPLATE_NAME_REFUSED + "]*$"}]}
+
+
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
@@ -6090,11 +6412,7 @@ CAMPAIGN = Resource(
                             "template id, or the name NAME of a file NAME.html (and NAME.txt) in "
                             "the server's templates folder ('NAME.html' is NAME too). A text of "
                             "digits is an id. Surrounding spaces are trimmed.", "",
-                            {"anyOf": [
-                                {"type": "integer", "minimum": 0, "maximum": MAX_ID},
-                                {"type": "string", "pattern": "^(?!.*[.][.])(?! *[0-9]{19,} *$)"
-                                 "(?! *[.][hH][tT][mM][lL] *$)[^/\\\\" + _TEMPLATE_NAME_REFUSED
-                                 + "]*$"}]}),
+                            _TEMPLATE_VALUE),
         "thumbnail": ("A URL of a picture of the campaign, for people.",
                       "https://example.com/thumb.png"),
         "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
@@ -7140,6 +7458,104 @@ def _test_send(call, child_id, addresses):
 
 
 # ---------------------------------------------------------------------------
+# Transactional email: one message to one address, now, before campaign mail
+# ---------------------------------------------------------------------------
+
+#: A transactional email's status, from its outbox email ('skipped' cannot
+#: happen to one; 'bounced' when a bounce came for it, at once or later).
+_TRANSACTIONAL_STATUS = (
+    "CASE WHEN EXISTS (SELECT 1 FROM event e WHERE e.prepared = o.prepared AND e.kind = 'bounce' "
+    "AND e.outbox = o.id) THEN 'bounced' WHEN o.status = 'skipped' THEN 'failed' "
+    "ELSE o.status END")
+#: When it was first opened or clicked ({kind}: 'open' or 'click').
+_TRANSACTIONAL_FIRST = ("(SELECT min(e.created) FROM event e WHERE e.prepared = o.prepared "
+                        "AND e.kind = '{kind}' AND e.outbox = o.id)")
+_TRANSACTIONAL_STATUSES = ("queued", "sending", "sent", "failed", "bounced")
+
+
+def _transactional_record(call, row):
+    return {"id": str(row["id"]), "to": row["to_addr"], "message": str(row["message"]),
+            "status": row["status"], "error": row["error"], "created": row["created"],
+            "sent": row["sent"], "opened": row["opened"], "clicked": row["clicked"]}
+
+
+def _transactional_values(call, row):
+    """The checks of a transactional email before its record is written:
+    ``to`` is no address the account knows as bounced or complained (it
+    reaches those that unsubscribed from campaigns: it is not bulk mail), the
+    message can be sent, the template wraps it."""
+    conn, account, to = call.conn, call.account, call.params["to"]
+    if not to:
+        raise InvalidParameter("'to' is the address to send the email to.", field="to")
+    known = conn.execute("SELECT reason FROM suppression WHERE account = ? AND email = ? "
+                         "AND reason <> 'unsubscribed'", (account, to)).fetchone()
+    if known is not None:
+        raise Conflict(f"{to} {known['reason']}: this account sends it nothing any more, so "
+                       "nothing was sent.", field="to")
+    message = MESSAGE.find(conn, account, call.params["message"], live=True)
+    if not (message["subject"] or "").strip() or not (message["html"] or message["text"]):
+        raise Conflict(f"Message {message['id']} needs a subject and a body (html or text) "
+                       "before it can be sent.", field="message")
+    template = None
+    if call.get("template") not in (None, ""):
+        try:
+            template = _campaign_template(
+                conn, account, _param_defaulttemplate(call, call.params["template"], "template"),
+                call.service.config["templates_dir"])
+        except _TemplateUnusable as problem:
+            raise Conflict(str(problem), field="template") from None
+    call.memo["transactional"] = message, template
+    return {"to_addr": to, "message": message["id"]}
+
+
+def _transactional_send(call, record_id):
+    """Queue the email, first in line: built at delivery from a prepared
+    message that is not bulk mail (no List-Unsubscribe), filled from ``data``."""
+    message, template = call.memo.pop("transactional")
+    account, tracking = call.account, bool(call.get("tracking", 0))
+    sender = _campaign_sender(call.conn, {"owner": account,
+                                          "accountprofile": call.get("accountprofile")}, message)
+    prepared = _prepared(call.conn, account, f"transactional:{message['id']}", message, sender,
+                         template=template, tracking=tracking,
+                         base_url=call.base_url if tracking else "", bulk=False)
+    outbox = enqueue(call.conn, account, "transactional", call.params["to"],
+                     message=message["id"], prepared=prepared,
+                     merge_values=call.get("data", {}), priority=1)
+    call.conn.execute("UPDATE transactional SET outbox = ? WHERE id = ?", (outbox, record_id))
+
+
+TRANSACTIONAL = Resource(
+    "transactional", "transactional", _transactional_record, soft_delete=False,
+    extra={"create": "to:email! message:int@message! data:object "
+                     "accountprofile:int@accountprofile template:scalar@template tracking:flag"},
+    values=_transactional_values, after_create=_transactional_send,
+    source="transactional JOIN outbox o ON o.id = transactional.outbox",
+    select="transactional.id, transactional.to_addr, transactional.message, "
+           f"transactional.created, o.error, o.sent, {_TRANSACTIONAL_STATUS} AS status, "
+           f"{_TRANSACTIONAL_FIRST.format(kind='open')} AS opened, "
+           f"{_TRANSACTIONAL_FIRST.format(kind='click')} AS clicked",
+    order="transactional.id",
+    filters={"to:email": "transactional.to_addr = ?",
+             "status:" + "|".join(_TRANSACTIONAL_STATUSES): f"{_TRANSACTIONAL_STATUS} = ?"},
+    label="transactional email",
+    fields=_record_schema("id to message status error created sent opened clicked",
+                          status={"type": "string", "enum": list(_TRANSACTIONAL_STATUSES)}),
+    doc={"to": ("The address the email goes to (a listing: only the emails to it).",
+                "ann@example.com", {"not": {"pattern": "^\\s*$"}}),
+         "status": ("Only the emails in this state.", "sent"),
+         "message": ("The message whose subject and bodies the email is.", 1),
+         "data": ("Merge values: {{name}} takes data.name; {{email}} is 'to'.",
+                  {"name": "Ann", "reset_url": "https://shop.example/reset/abc"}),
+         "accountprofile": ("The sender profile, for what the message itself does not set "
+                            "(fromname, fromaddress, replyto).", 1),
+         "template": ("A template id, or the name NAME of a file NAME.html (and NAME.txt) in "
+                      "the server's templates folder, that wraps the message ('' none).", "",
+                      _TEMPLATE_VALUE),
+         "tracking": ("1: count opens and clicks (its links go through this API); default 0.",
+                      "0")})
+
+
+# ---------------------------------------------------------------------------
 # Public pages: unsubscribe, sign-up and confirm (signed tokens, not stored;
 # no key needed)
 # ---------------------------------------------------------------------------
@@ -7178,27 +7594,33 @@ def _bad_link_page(what):
         status=404)
 
 
+#: A tracked email: a campaign's (its batch's links) or one of a prepared
+#: message (the prepared message's links).
 _CAMPAIGN_EMAIL = (
     "SELECT o.id AS outbox, o.account, o.to_addr AS email, o.batch, o.message, o.recipient, "
-    "b.campaign{} FROM outbox o JOIN batch b ON b.id = o.batch{} "
-    "WHERE o.id = ? AND o.kind = 'campaign'")
+    "o.prepared, o.merge_values, b.campaign{} FROM outbox o LEFT JOIN batch b ON b.id = o.batch{} "
+    "WHERE o.id = ? AND (o.kind = 'campaign' OR o.prepared IS NOT NULL)")
 
 
 def _campaign_email(conn, secret, purpose, token, size=1):
-    """The campaign email a token of ``purpose`` names (its first number), as
-    ``(row, numbers)``: the row has outbox, account, email, batch, message,
-    recipient and campaign, and for a click token (two numbers: the email,
-    the link's index) the link's stored ``url``.  ``(None, None)`` for a
-    token that is not ours or names nothing we sent (never an exception:
-    tokens come from the public).  One statement."""
+    """The tracked email (a campaign's, or one of a prepared message) a token
+    of ``purpose`` names (its first number), as ``(row, numbers)``: the row
+    has outbox, account, email, batch, message, recipient, prepared and
+    campaign, and for a click token (two numbers: the email, the link's
+    index) the link's stored ``url``.  ``(None, None)`` for a token that is
+    not ours or names nothing we sent (never an exception: tokens come from
+    the public).  One statement."""
     numbers = read_token(secret, purpose, token)
     if numbers is None or len(numbers) != size:
         return None, None
     numbers = [min(number, MAX_ID) for number in numbers]   # beyond any id: none found
     if size == 2:
         row = conn.execute(_CAMPAIGN_EMAIL.format(
-            ", l.url", " JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
-            "AND l.link = ?"), (numbers[1], numbers[0])).fetchone()
+            ", coalesce(l.url, p.url) AS url",
+            " LEFT JOIN batch_link l ON l.batch = o.batch AND l.message = o.message "
+            "AND l.link = ? LEFT JOIN prepared_link p ON p.prepared = o.prepared AND p.link = ?")
+            + " AND coalesce(l.url, p.url) IS NOT NULL",
+            (numbers[1], numbers[1], numbers[0])).fetchone()
     else:
         row = conn.execute(_CAMPAIGN_EMAIL.format("", ""), numbers).fetchone()
     return (row, numbers) if row is not None else (None, None)
@@ -7212,10 +7634,10 @@ def _record_event(conn, kind, email, link=None, created=None):
         written later with the time it came.
     """
     conn.execute(
-        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (email["account"], kind, email["campaign"],
-                                            email["batch"], email["outbox"], email["email"],
-                                            link, created or _now()))
+        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
+        f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
+        (email["account"], kind, email["campaign"], email["batch"], email["outbox"],
+         email["email"], link, created or _now(), email["outbox"]))
 
 
 def _count_later(call, kind, email, link=None):
@@ -7235,6 +7657,10 @@ def _unsubscribe_subject(call, token):
         subject = read_unsubscribe_token(call.service.secret, token)
         return subject and (*subject, None, None)
     numbers = read_token(call.service.secret, "unsubscribe", token)
+    if numbers is not None and len(numbers) == 1:   # an email of a prepared message
+        row = call.conn.execute("SELECT account, to_addr FROM outbox WHERE id = ? "
+                                "AND prepared IS NOT NULL", (min(numbers[0], MAX_ID),)).fetchone()
+        return row and (row["account"], row["to_addr"], None, None, numbers[0])
     if numbers is None or len(numbers) != 2:
         return None
     campaign, recipient = (min(number, MAX_ID) for number in numbers)
@@ -7320,7 +7746,9 @@ def _click(call, token):
     if email is None:
         return _bad_link_page("tracked")
     values = {}
-    if "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
+    if "{" in email["url"] and email["recipient"] is None and email["prepared"] is not None:
+        values = _merge_values(email["merge_values"], email["email"])
+    elif "{" in email["url"]:  # merge tags: the recipient's values now (none when erased)
         recipient = call.conn.execute("SELECT * FROM recipient WHERE id = ?",
                                       (email["recipient"],)).fetchone()
         if recipient is not None:
@@ -9326,8 +9754,17 @@ class _Courier:
 
     # The database side.
 
-    def claim(self):
+    def claim(self, first=False):
+        """Claim due rows, those of the highest priority first (the index
+        outbox_claim gives them in that order).  ``first``: only rows of a
+        priority above 0 (a transactional email), looked for by a read
+        before any lock is taken."""
         due = self.run.now or _now()
+        priority = "AND priority > 0 " if first else ""
+        if first and not self.conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND priority > 0 "
+                "AND next_try <= ?)", (due,)).fetchone()[0]:
+            return []
         with transaction(self.conn):
             if time.monotonic() - self.looked >= _CLAIM_RENEW:
                 # While busy, also hand a dead worker's rows back to the queue.
@@ -9337,16 +9774,19 @@ class _Courier:
             # On PostgreSQL each worker takes rows no other has locked.
             rows = self.conn.execute(
                 "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
-                "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
-                f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
+                f"WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' {priority}"
+                "AND next_try <= ? ORDER BY priority DESC, next_try LIMIT ? "
+                f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
-                "html, attempts, fromname, fromaddress, replyto, campaign, base_url",
+                "html, attempts, fromname, fromaddress, replyto, campaign, base_url, prepared, "
+                "merge_values, priority",
                 (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
-        return rows
+        # RETURNING keeps no order: the higher priority is sent first.
+        return sorted(rows, key=lambda row: -row["priority"])
 
     def recipients(self, rows):
-        ids = [row["recipient"] for row in rows
-               if row["kind"] in ("campaign", "test") and row["recipient"] is not None]
+        ids = [row["recipient"] for row in rows if row["recipient"] is not None and (
+            row["kind"] in ("campaign", "test") or row["prepared"] is not None)]
         if not ids:
             return {}
         marks = ", ".join("?" * len(ids))
@@ -9408,20 +9848,35 @@ class _Courier:
                 "SELECT subject, html, text, tracked, (SELECT count(*) FROM batch_link l "
                 "WHERE l.batch = m.batch AND l.message = m.message) AS links "
                 "FROM batch_message m WHERE batch = ? AND message = ?",
-                (batch_id, message_id)).fetchone() or {**{name: message[name] for name in (
-                    "subject", "html", "text")}, "tracked": None}
+                (batch_id, message_id)).fetchone()
+            sent_as = dict(sent_as) if sent_as else {
+                **{name: message[name] for name in ("subject", "html", "text")}, "tracked": None}
+            if not batch["tracking"]:
+                sent_as["tracked"] = None
+            elif sent_as["tracked"] is None and sent_as["html"]:
+                # a batch made before version 5 kept only its links
+                sent_as["tracked"], links = _track_html(sent_as["html"])
+                sent_as["links"] = len(links)
             campaign = {"id": batch["campaign"], "owner": batch["owner"],
                         "accountprofile": batch["accountprofile"]}
             letter = _message_letter(self.conn, campaign, message, sent_as,
                                     batch["base_url"] or self.run.public_url, self.run.mail_from)
-            letter.links = None  # tracked: how many links the batch keeps
-            if batch["tracking"] and letter.base and sent_as["html"]:
-                if sent_as["tracked"] is not None:   # prepared when the batch was made
-                    letter.html, letter.links = _Template(sent_as["tracked"]), sent_as["links"]
-                else:   # a batch made before version 5 kept only its links
-                    tracked, links = _track_html(sent_as["html"])
-                    letter.html, letter.links = _Template(tracked), len(links)
             self.letters[key] = letter
+        return letter
+
+    def prepared_letter(self, prepared_id):
+        """The Letter of a prepared message (_prepared()): built as a batch's."""
+        key = ("prepared", prepared_id)
+        letter = self.letters.get(key)
+        if letter is None:
+            row = self.conn.execute(
+                "SELECT p.*, (SELECT count(*) FROM prepared_link l WHERE l.prepared = p.id) "
+                "AS links FROM prepared p WHERE p.id = ?", (prepared_id,)).fetchone()
+            if row is None:
+                raise LookupError(f"prepared message {prepared_id} does not exist")
+            row = dict(row)
+            row["base_url"] = row["base_url"] or self.run.public_url
+            letter = self.letters[key] = _prepared_letter(row, self.run.mail_from)
         return letter
 
     def datasource_fields(self, datasource):
@@ -9431,21 +9886,34 @@ class _Courier:
         return fields
 
     def build(self, row, recipients):
-        """``(sender, email bytes)``, or None when the row must not be sent."""
+        """``(sender, email bytes)``, or None when the row must not be sent.
+
+        A campaign email and an email of a prepared message are built the
+        same way: the prepared Letter, the recipient's merge values (of the
+        row's recipient, who must still be active and not suppressed, else
+        of its merge_values), tracking tokens and the unsubscribe link that
+        name this outbox email, its signed Message-ID and VERP sender."""
         if row["kind"] == "test":
             return self.build_test(row, recipients.get(row["recipient"]))
-        if row["kind"] != "campaign":
+        if row["kind"] != "campaign" and row["prepared"] is None:
             # Ready-made: its sender, if any, is on the row (a sign-up's emails
             # go as the datasource's sender profile, a test send's as the campaign's).
             letter = _Letter(row["fromaddress"] or self.run.mail_from, row["subject"] or "",
                             row["body"] or "", row["html"] or "", from_name=row["fromname"] or "",
                             reply_to=row["replyto"] or "", templated=False)
             return letter.sender, letter.build(row["to_addr"])
-        recipient = recipients.get(row["recipient"])
-        if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
-            return None
-        letter = self.campaign_letter(row["batch"], row["message"])
-        values = _recipient_values(self.datasource_fields(recipient["datasource"]), recipient)
+        if row["prepared"] is not None:
+            letter = self.prepared_letter(row["prepared"])
+        else:
+            letter = self.campaign_letter(row["batch"], row["message"])
+        if row["recipient"] is None and row["prepared"] is not None:
+            values = _merge_values(row["merge_values"], row["to_addr"])
+        else:
+            recipient = recipients.get(row["recipient"])
+            if recipient is None or recipient["status"] != "active" or recipient["suppressed"]:
+                return None
+            values = _recipient_values(self.datasource_fields(recipient["datasource"]),
+                                       recipient)
         if letter.links is not None:
             values.update(_tracking_values(self.run.secret, letter.base, row["id"], letter.links))
         # Signed with the outbox id, so that a bounce or complaint that comes
@@ -9453,7 +9921,7 @@ class _Courier:
         # bounce domain) and in the Message-ID that reports quote.
         sender, data = _recipient_email(
             letter, self.run.secret, row["to_addr"], values, row["recipient"],
-            message_id=message_id_for(self.run.secret, row["id"], letter.domain))
+            message_id=message_id_for(self.run.secret, row["id"], letter.domain), outbox=row["id"])
         if self.run.bounce_domain:
             sender = verp_address(self.run.secret, row["id"], self.run.bounce_domain)
         return sender, data
@@ -9465,7 +9933,8 @@ class _Courier:
         to them; a tester's names the tester."""
         sent = {"subject": row["subject"] or "", "text": row["body"] or "",
                 "html": row["html"] or ""}
-        letter = _campaign_letter(row, sent, row["campaign"], row["account"],
+        sender = {name: row[name] for name in ("fromname", "fromaddress", "replyto")}
+        letter = _campaign_letter(sender, sent, row["campaign"], row["account"],
                                   row["base_url"] or self.run.public_url, self.run.mail_from)
         values = {"email": row["to_addr"]} if recipient is None else _recipient_values(
             self.datasource_fields(recipient["datasource"]), recipient)
@@ -9553,7 +10022,15 @@ class _Courier:
             results.append((status, attempts, next_try, error, sent, row["id"]))
             counts[counted] += 1
 
-        for row in rows:
+        rows, looked = collections.deque(rows), time.monotonic()
+        while rows:
+            if time.monotonic() - looked >= _PRIORITY_LOOK and not unreachable:
+                # A transactional email queued meanwhile goes before the rest
+                # of the chunk (which may be a minute's work under a rate).
+                looked, first = time.monotonic(), self.claim(first=True)
+                recipients.update(self.recipients(first))
+                rows.extendleft(reversed(first))
+            row = rows.popleft()
             attempts = row["attempts"] + 1
             if unreachable or run.stop.is_set():
                 # Not tried: back to the queue as it was (later if the server is down).
@@ -9599,16 +10076,22 @@ class _Courier:
                 outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
                 continue
             outcome(row, "failed", "failed", attempts, error=error)
-            if row["kind"] == "campaign" and code >= 500 and text.startswith("5.1."):
+            tracked = row["kind"] == "campaign" or row["prepared"] is not None
+            if tracked and code >= 500 and text.startswith("5.1."):
                 # A hard bounce: the mailbox does not exist.
                 bounces.append({"type": "hard", "outbox": row["id"]})
                 counts["bounced"] += 1
-            elif row["kind"] == "campaign" and code < 500:
+            elif tracked and code < 500:
                 # Given up on a temporary failure: a soft bounce of this email.
                 bounces.append({"type": "soft", "outbox": row["id"]})
         self.record(results, bounces)
         run.add(counts, unreachable)
         return unreachable
+
+
+#: Seconds between a courier's looks, within a chunk, for rows of a higher
+#: priority (transactional emails) queued since it claimed the chunk.
+_PRIORITY_LOOK = 0.2
 
 
 def _take_back(conn, now, stale_claim):
@@ -10069,6 +10552,26 @@ class _Worker:
         self.on_event, self.webhook_allow_private = on_event, webhook_allow_private
         self.templates_dir, self.bounce_mailbox, self.delivery = \
             templates_dir, bounce_mailbox, delivery
+        self.look = None   # the delivery thread's connection for outbox_due()
+
+    def outbox_due(self):
+        """Whether deliver() has work: a row due, or a claim a dead worker
+        left.  One read on a connection the delivery thread keeps, so it may
+        look every _PRIORITY_LOOK seconds (a transactional email waits no
+        longer) at little cost."""
+        stale = (datetime.datetime.now(datetime.timezone.utc)
+                 - self.delivery.get("stale_claim", _STALE_CLAIM)).strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            self.look = self.look or connect(self.db)
+            return bool(self.look.execute(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND next_try <= ?) "
+                "OR EXISTS (SELECT 1 FROM outbox WHERE status = 'sending' AND claimed_at < ?)",
+                (_now(), stale)).fetchone()[0])
+        except Exception:   # a lost connection: deliver() looks (and reports) itself
+            with contextlib.suppress(Exception):
+                self.look.close()
+            self.look = None
+            return True
 
 
 def _make_due_batches(worker):
@@ -10081,6 +10584,10 @@ def _purge_unconfirmed(worker):
     return _remove_unconfirmed(worker.db) > 0
 
 
+def _purge_keys(worker):
+    return _purge_idempotency_keys(worker.db) > 0
+
+
 def _deliver_events(worker):
     counts = deliver_webhooks(worker.db, allow_private=worker.webhook_allow_private,
                               stop=worker.stop_event)
@@ -10090,6 +10597,8 @@ def _deliver_events(worker):
 
 
 def _deliver_outbox(worker):
+    if not worker.outbox_due():
+        return False
     counts = deliver(worker.db, worker.smtp, stop=worker.stop_event, on_event=worker.on_event,
                      **worker.delivery)
     if any(counts[name] for name in ("sent", "retried", "failed", "skipped")):
@@ -10129,8 +10638,9 @@ class _Step:
 _WORKER_STEPS = (
     _Step("batches", _make_due_batches),
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
+    _Step("batches", _purge_keys),   # Idempotency-Key answers expire after 24 hours
     _Step("webhooks", _deliver_events),
-    _Step("delivery", _deliver_outbox, needs="smtp"),
+    _Step("delivery", _deliver_outbox, needs="smtp", every=_PRIORITY_LOOK),
     _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
 )
 
@@ -10196,6 +10706,8 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
     while any(thread.is_alive() for thread in threads):
         for thread in threads:
             thread.join(0.5)
+    if worker.look is not None:
+        worker.look.close()
 
 
 # ---------------------------------------------------------------------------
@@ -10383,6 +10895,8 @@ def _error_codes():
 def _route_statuses(route):
     """The error statuses a route can answer, from what the pipeline does for it."""
     statuses = {400, 413, 415, 500}     # parameters and body are read on every route
+    if route.method in _KEYED_METHODS:
+        statuses |= {409, 422}          # a key still running, or used for another request
     if route.level:
         statuses |= {401, 403}
     if route.ids:
@@ -10489,11 +11003,29 @@ def _operation(route, allow_private=False):
                            "content": {**_PAGE_CONTENT, "application/json": {"schema": {
                                "$ref": f"#/components/schemas/error{status}"}}}}
                   for status in errors}
+    if route.method in _KEYED_METHODS:
+        operation["parameters"].append(_IDEMPOTENCY_HEADER)
+        success = {**success, "headers": {**success.get("headers", {}), **_REPLAYED_HEADER}}
     operation["responses"] = {answered: success, **errors}
     return operation
 
 
 _PAGE_CONTENT = {"text/html": {"schema": {"type": "string"}}}
+
+#: The Idempotency-Key header as the document shows it.
+_IDEMPOTENCY_HEADER = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
+    "description": "Do this request once (1 to 255 visible ASCII characters, e.g. a UUID): a "
+                   "repeat with the same key, method, path and body within 24 hours gets the "
+                   "first answer again (header Idempotent-Replayed: true) and changes nothing; "
+                   "the key with another request is 422 idempotency_key_reused; a repeat while "
+                   "the first still runs is 409 with Retry-After. Only 2xx answers are kept, so "
+                   "a request that failed may be sent again with its key.",
+    "example": "6c0b0a5e-reset-ann"}
+_REPLAYED_HEADER = {"Idempotent-Replayed": {
+    "description": "true: the answer kept for this request's Idempotency-Key, sent again.",
+    "schema": {"type": "string", "enum": ["true"]}}}
 
 
 #: The data of every error: a code, a sentence, and where it helps more.
@@ -10737,6 +11269,11 @@ ROUTES = [
                                                    {"required": ["test"]}]}),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
+
+    # Transactional email: one message to one address now, before campaign mail
+    Route("GET",    "/transactional/{id:int|all}", "read", TRANSACTIONAL.get),
+    Route("PUT",    "/transactional/{id}", "create", TRANSACTIONAL.create,
+          summary="Send a transactional email"),
 
     # Webhooks: stored events posted to services elsewhere, signed
     Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),

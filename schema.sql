@@ -259,7 +259,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     account     INTEGER NOT NULL REFERENCES account(id),
     kind        TEXT NOT NULL
                 CHECK (kind = 'campaign' OR kind = 'archive' OR kind = 'notification'
-                       OR kind = 'signup' OR kind = 'test'),
+                       OR kind = 'signup' OR kind = 'test' OR kind = 'automation'
+                       OR kind = 'transactional'),
     batch       INTEGER REFERENCES batch(id),
     message     INTEGER,
     recipient   INTEGER,
@@ -289,12 +290,22 @@ CREATE TABLE IF NOT EXISTS outbox (
     -- version 5: a test send names its campaign (the List-Id and the
     -- unsubscribe link it carries) and where its links point, without a batch
     campaign    INTEGER,
-    base_url    TEXT
+    base_url    TEXT,
+    -- version 6: an email of a prepared message (an automation's, a
+    -- transactional one) names it, and is rendered from it at delivery with the
+    -- merge values of its recipient row, else of merge_values (JSON {name: value})
+    prepared     INTEGER,
+    merge_values TEXT,
+    -- version 8: claimed before every row of a lower priority that is due
+    -- (1: a transactional email; 0: the rest)
+    priority     INTEGER NOT NULL DEFAULT 0
 );
 -- A batch never queues one address twice, even when the worker runs again
 -- after a crash.
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_once ON outbox(batch, to_addr) WHERE kind = 'campaign';
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox(status, next_try);
+-- Delivery claims in this order: the first rows of a higher priority, then by time.
+CREATE INDEX IF NOT EXISTS outbox_claim ON outbox(status, priority DESC, next_try);
 CREATE INDEX IF NOT EXISTS outbox_batch ON outbox(batch, status);
 -- Bounces and complaints find the emails sent to an address (soft bounces in a
 -- row, the accounts that mailed it lately).
@@ -339,7 +350,8 @@ CREATE TABLE IF NOT EXISTS event (
     outbox   INTEGER,                          -- the email it is about, when known
     email    TEXT COLLATE NOCASE,
     link     INTEGER,                          -- a click: the link's index in its message
-    created  TEXT NOT NULL DEFAULT (datetime('now'))
+    created  TEXT NOT NULL DEFAULT (datetime('now')),
+    prepared INTEGER                           -- version 6: the email's prepared message
 );
 -- The statistics of a batch are read from this index alone (it covers every
 -- column they count), and a campaign's events outside its batches (an
@@ -425,3 +437,76 @@ CREATE TABLE IF NOT EXISTS intake (
     payload TEXT NOT NULL,                     -- its arguments, JSON
     created TEXT NOT NULL DEFAULT (datetime('now'))
 );
+
+-- Version 6 --------------------------------------------------------------------
+
+-- A prepared message: what an email that is not part of a batch (an
+-- automation's step, a transactional email) is built from at delivery, made
+-- once for its scope (what its statistics count under, e.g. 'automation:7:2')
+-- and made again only when its inputs (digest) change: the message in its
+-- template with its CSS inlined, the tracked html (as batch_message.tracked)
+-- with its links in prepared_link, the sender, the List-Id, where its links
+-- point, and whether it is bulk mail (List-Unsubscribe, {{unsubscribe_url}}).
+CREATE TABLE IF NOT EXISTS prepared (
+    id          INTEGER PRIMARY KEY,
+    account     INTEGER NOT NULL REFERENCES account(id),
+    scope       TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    message     INTEGER,
+    subject     TEXT NOT NULL,
+    html        TEXT NOT NULL,
+    text        TEXT NOT NULL,
+    tracked     TEXT,                          -- NULL: not tracked
+    fromname    TEXT NOT NULL DEFAULT '',
+    fromaddress TEXT NOT NULL DEFAULT '',
+    replyto     TEXT NOT NULL DEFAULT '',
+    list_id     TEXT NOT NULL DEFAULT '',      -- '': no List-Id header
+    base_url    TEXT NOT NULL DEFAULT '',      -- '': the worker's public_url
+    bulk        INTEGER NOT NULL DEFAULT 1 CHECK (bulk IN (0, 1)),
+    created     TEXT NOT NULL DEFAULT (datetime('now')),
+    UNIQUE (scope, digest)
+);
+-- The links of a tracked prepared message by index, as batch_link for a batch.
+CREATE TABLE IF NOT EXISTS prepared_link (
+    prepared INTEGER NOT NULL REFERENCES prepared(id),
+    link     INTEGER NOT NULL,
+    url      TEXT NOT NULL,
+    PRIMARY KEY (prepared, link)
+) WITHOUT ROWID;
+-- The statistics of a prepared message, as event_batch for a batch.
+CREATE INDEX IF NOT EXISTS event_prepared ON event(prepared, kind, outbox, link, created)
+    WHERE prepared IS NOT NULL;
+CREATE INDEX IF NOT EXISTS outbox_prepared ON outbox(prepared, status) WHERE prepared IS NOT NULL;
+
+-- Version 8 --------------------------------------------------------------------
+
+-- Requests that carried an Idempotency-Key: claimed (status NULL) before the
+-- request runs, then its 2xx answer kept for 24 hours in the transaction of
+-- its writes; a failed request's row is removed, so the key can be used again.
+-- scope: 'account:<id>', or 'client:<address>' on the public routes.
+-- request: SHA-256 of the method, path, query string and body.  token: the
+-- claim's own, so that a request whose claim was taken over (its process
+-- ended, _KEY_LEASE) cannot keep its answer.
+CREATE TABLE IF NOT EXISTS idempotency_key (
+    scope   TEXT NOT NULL,
+    key     TEXT NOT NULL,
+    request TEXT NOT NULL,
+    token   TEXT NOT NULL,
+    status  INTEGER,                           -- NULL: the request still runs
+    answer  TEXT,                              -- JSON: its data, or a page and headers
+    created TEXT NOT NULL,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_key_created ON idempotency_key(created);
+
+-- A transactional email (PUT /v1/transactional/0): one message to one address
+-- now, sent as its outbox email (status, error and times are that row's).
+CREATE TABLE IF NOT EXISTS transactional (
+    id      INTEGER PRIMARY KEY,
+    owner   INTEGER NOT NULL REFERENCES account(id),
+    to_addr TEXT NOT NULL COLLATE NOCASE,
+    message INTEGER NOT NULL REFERENCES message(id),
+    outbox  INTEGER REFERENCES outbox(id),    -- set in the transaction that writes the row
+    created TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS transactional_owner ON transactional(owner, to_addr);

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import webtest
 
@@ -91,6 +92,17 @@ def http(url, method="GET", body=None, headers=None, timeout=30):
             return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.headers, error.read()
+
+
+def new_idempotency_key(case):
+    """Give a generated schemathesis case a new Idempotency-Key when it has a
+    valid one: a client sends a new key with each new request, and generators
+    reuse a few short keys for different requests (answered 422, rightly, but
+    not what the case means to test).  An invalid key stays as generated."""
+    key = (case.headers or {}).get("Idempotency-Key")
+    if isinstance(key, str) and re.fullmatch(r"[!-~]{1,255}", key):
+        case.headers["Idempotency-Key"] = uuid.uuid4().hex
+    return case
 
 
 # --- answers ---------------------------------------------------------------------------------

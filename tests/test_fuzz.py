@@ -19,7 +19,8 @@ import webtest
 
 import campaignapi
 from conftest import Api
-from helpers import build_world, fill, get_import, keyed_client, recipients
+from helpers import (build_world, fill, get_import, keyed_client, new_idempotency_key,
+                     recipients)
 
 #: Bounded for CI: examples per operation and generation mode.
 FUZZ_EXAMPLES = int(os.environ.get("CAMPAIGNAPI_FUZZ_EXAMPLES", "12"))
@@ -84,7 +85,7 @@ def test_schemathesis_every_operation_answers_as_documented(served, method, path
     @settings(BOUNDED, max_examples=FUZZ_EXAMPLES)
     @given(case=strategy)
     def run(case):
-        response = case.call_and_validate(headers=auth, checks=CHECKS)
+        response = new_idempotency_key(case).call_and_validate(headers=auth, checks=CHECKS)
         if response.headers.get("Content-Type", [""])[0].startswith("application/json") \
                 and "openapi" not in path:
             body = json.loads(response.content)
@@ -285,7 +286,7 @@ def test_schemathesis_sign_ups_to_a_list_that_takes_them(served, mode):
     @given(case=strategy)
     def run(case):
         case.path_parameters = {"id": ds}
-        response = case.call_and_validate(checks=CHECKS)
+        response = new_idempotency_key(case).call_and_validate(checks=CHECKS)
         assert response.status_code in (200, 400, 413, 415, 429), response.content[:300]
 
     run()

@@ -115,10 +115,17 @@ def test_a_campaign_from_nothing_with_only_the_generated_client(generated, live_
     assert isinstance(imported, models.CreateDatasourceImportResponse200)
     record = api.datasource.get_datasource_import.sync(ds, imported.data.id, client=client)
     assert record.data.import_.inserted == "2"
-    message = api.message.create_message.sync("0", client=client, body=models.CreateMessageBody(
+    message_body = models.CreateMessageBody(
         name="Hello", subject="News for {{city}}",
         html='<p>Hi {{city}}</p><a href="{{unsubscribe_url}}">Unsubscribe</a>',
-        text="Hi {{city}}\nUnsubscribe: {{unsubscribe_url}}"))
+        text="Hi {{city}}\nUnsubscribe: {{unsubscribe_url}}")
+    # The Idempotency-Key header is an argument: a retry gets the same message.
+    message = api.message.create_message.sync("0", client=client, body=message_body,
+                                              idempotency_key="hello-message")
+    retried = api.message.create_message.sync_detailed("0", client=client, body=message_body,
+                                                       idempotency_key="hello-message")
+    assert retried.parsed.data.id == message.data.id
+    assert retried.headers["Idempotent-Replayed"] == "true"
     segment = api.segment.create_segment.sync("0", client=client, body=models.CreateSegmentBody(
         name="Oslo", datasources=[int(ds)], match=models.CreateSegmentBodyMatch.ALL,
         conditions=[models.CreateSegmentBodyConditionsItemType0(

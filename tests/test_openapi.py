@@ -195,7 +195,7 @@ def test_every_error_code_is_described(document):
                 401: {"unauthorized"}, 403: {"insufficient_access"}, 404: {"not_found"},
                 405: {"method_not_allowed"}, 409: {"conflict", "verification_failed"},
                 413: {"payload_too_large"}, 415: {"unsupported_media_type"},
-                422: {"invalid_data"}, 500: {"internal_error"}}
+                422: {"invalid_data", "idempotency_key_reused"}, 500: {"internal_error"}}
     responses = document["components"]["responses"]
     for status, codes in expected.items():
         ref = responses[str(status)]["content"]["application/json"]["schema"]["$ref"]

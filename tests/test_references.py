@@ -30,7 +30,8 @@ NESTED = {
 NOT_REFERENCES = {"limit", "offset", "priority", "sortorder", "timestamp",
                   "events",    # webhook event kinds
                   "test",      # addresses of a test send
-                  "fields"}    # a datasource's new fields [{name, type}] (recipient fields: NESTED)
+                  "fields",    # a datasource's new fields [{name, type}] (recipient fields: NESTED)
+                  "data"}      # a transactional email's merge values
 
 #: Parameter types that can carry an id.
 ID_TYPES = {"int", "ref", "list", "object", "scalar"}
@@ -141,6 +142,7 @@ def base_body(route, mine):
         ("POST", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessageid": ints["link"]},
         ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": ints["link"]},
         ("POST", "/bounce"): {"email": "ann@example.com", "type": "soft"},
+        ("PUT", "/transactional/{id}"): {"to": "ann@example.com", "message": ints["message"]},
     }.get((route.method, route.path), {})
 
 

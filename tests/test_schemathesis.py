@@ -12,7 +12,7 @@ import schemathesis
 from schemathesis import GenerationMode
 
 from conftest import Api
-from helpers import build_world, keyed_client
+from helpers import build_world, keyed_client, new_idempotency_key
 
 #: Per operation and mode: enough to find a disagreement, few enough for CI.
 EXAMPLES = 8
@@ -52,4 +52,4 @@ schema = schemathesis.pytest.from_fixture("document_under_test")
 
 @schema.parametrize()
 def test_the_server_does_what_the_document_says(case, document_under_test):
-    case.call_and_validate(headers=document_under_test.auth_headers)
+    new_idempotency_key(case).call_and_validate(headers=document_under_test.auth_headers)

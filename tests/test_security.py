@@ -113,6 +113,8 @@ NAMING = [r for r in KEYED_ROUTES if r not in CREATES]
 def world(api, db):
     ids = build_world(api)
     ids["webhook"] = api.put("/webhook/0", url=WEBHOOK_URL)["id"]
+    ids["transactional"] = api.put("/transactional/0", to="ann@example.com",
+                                   message=int(ids["message"]))["id"]
     campaignapi.process_due(db)
     assert set(ids.values()) == {"1"}
     return ids
@@ -157,6 +159,9 @@ def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other,
         {"url": WEBHOOK_URL} if "webhook" in route.path else {"name": "x"}
     if "template" in route.path:
         params["html"] = "{{content}}"
+    if "transactional" in route.path:   # an email of their own message
+        params = {"to": "a@example.org", "message": int(Api(client, other).put(
+            "/message/0", name="x", subject="s", text="t")["id"])}
     before = snapshot(db)
     response = send(client, route.method, filled(route), other, params)
     assert_clean_error(response, 409, "conflict")
