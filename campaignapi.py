@@ -6681,6 +6681,7 @@ figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
 table{{border-collapse:collapse;width:100%;font-size:.95em}}
 th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
 td.url{{word-break:break-all}} details{{margin-top:.8em}}
+caption{{text-align:left;font-weight:600;margin:.8em 0 .3em}} tr.winner{{background:#dafbe1}}
 </style></head>
 <body><main>
 <h1>{title}</h1>
@@ -6689,6 +6690,7 @@ td.url{{word-break:break-all}} details{{margin-top:.8em}}
 {chart}
 <h2>Links</h2>
 {links}
+{tests}
 </main></body></html>
 """
 
@@ -6811,7 +6813,35 @@ def _archive_page(archive_record, title):
                   f'<tbody>{rows}</tbody></table>') if rows else "<p>No tracked links.</p>"
     unit, buckets = _timeline_buckets(record.get("timeline"))
     return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
-                                chart=_chart(unit, buckets), links=link_table)
+                                chart=_chart(unit, buckets), links=link_table,
+                                tests=_tests_section(record))
+
+
+def _tests_section(record):
+    """The A/B tests of the archive's batches as tables: each version's
+    subject and figures, the winner marked."""
+    parts = []
+    for batch in record.get("batches") or ():
+        for item in batch.get("tests") or ():
+            test = item["test"]
+            rows = "".join(
+                f'<tr{" class=winner" if v["message"] == test["winner"] else ""}>'
+                f'<td>{html.escape(v["subject"])}'
+                f'{" <strong>(winner)</strong>" if v["message"] == test["winner"] else ""}</td>'
+                + "".join(f'<td class="n">{html.escape(v[name])}</td>'
+                          for name in ("sent", "opened", "clicked", "rate")) + "</tr>"
+                for v in test["versions"])
+            chosen = (f"chosen {'by hand' if test['decided'] == 'manual' else 'automatically'} "
+                      f"at {html.escape(test['decidedat'])}" if test["decided"]
+                      else "testing, no winner yet")
+            parts.append(
+                f'<table data-test="{html.escape(item["link"])}"><caption>Batch '
+                f'{html.escape(batch["id"])}, campaign message {html.escape(item["link"])}: '
+                f'{chosen}</caption><thead><tr><th scope="col">Version (subject)</th>'
+                '<th class="n" scope="col">Sent</th><th class="n" scope="col">Opened</th>'
+                '<th class="n" scope="col">Clicked</th><th class="n" scope="col">Rate</th></tr>'
+                f'</thead><tbody>{rows}</tbody></table>')
+    return "<h2>A/B tests</h2>" + "".join(parts) if parts else ""
 
 
 # ---------------------------------------------------------------------------
@@ -7014,7 +7044,7 @@ def _start_test(conn, campaign, batch_id, link_id, versions, now):
                                             campaign["testmetric"],
                                             _shift(now, campaign["testwait"])))
     if not share:
-        _choose_winner(conn, batch_id, link_id, now, versions[0])
+        _choose_winner(conn, batch_id, link_id, now, versions[0], "auto")
         return
     cases = " ".join(f"WHEN {index} THEN {int(message)}" for index, message in enumerate(versions))
     conn.execute(
@@ -7048,7 +7078,7 @@ def _test_figures(conn, batch_id, versions, metric):
     return figures
 
 
-def _choose_winner(conn, batch_id, link_id, now, winner=None):
+def _choose_winner(conn, batch_id, link_id, now, winner=None, how="manual"):
     """Inside a transaction: choose the winner of a link's test (by hand:
     ``winner``; else the highest rate, a tie to the earlier version) and
     queue it for the recipients who wait; the batch sends on when its last
@@ -7060,8 +7090,8 @@ def _choose_winner(conn, batch_id, link_id, now, winner=None):
         return False
     versions = json.loads(test["versions"])
     figures = _test_figures(conn, batch_id, versions, test["metric"])
-    how = "manual" if winner is not None else "auto"
-    if winner is None:   # max() keeps the first of equal rates
+    if winner is None:
+        how = "auto"   # max() keeps the first of equal rates
         winner = max(figures, key=lambda version: version["rate"])["message"]
     result = [{**version, "rate": _rate_text(version["rate"])} for version in figures]
     conn.execute("UPDATE batch_test SET winner = ?, decided = ?, decidedat = ?, result = ? "
