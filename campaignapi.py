@@ -11044,7 +11044,7 @@ ROUTES = [
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
     Route("POST",   "/campaign/{parent_id}/winner/{child_id}", "write", _campaign_winner,
           "link:int! message:int@message!", summary="Choose the winner of an A/B test by hand",
-          errors=(409,)),
+          answers=_ANSWER_DONE, errors=(409,)),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
     # Webhooks: stored events posted to services elsewhere, signed
