@@ -6867,8 +6867,8 @@ def _campaign_winner(call, child_id):
     """Choose the winner of a link's A/B test in batch ``child_id`` by hand,
     before the worker does: it is queued for the recipients who wait."""
     campaign_id, link, message = call.parent["id"], call.get("link"), call.get("message")
-    batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ? "
-                              f"{call.conn.sql['for_update']}", (child_id, campaign_id)).fetchone()
+    batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
+                              (child_id, campaign_id)).fetchone()
     if batch is None:
         raise NotFound(f"Campaign {campaign_id} has no batch {child_id}.")
     test = call.conn.execute("SELECT * FROM batch_test WHERE batch = ? AND link = ?",
@@ -6885,7 +6885,9 @@ def _campaign_winner(call, child_id):
         raise Conflict(f"Message {message} is not a version of campaign message {link} in batch "
                        f"{child_id} (versions: {', '.join(map(str, json.loads(test['versions'])))}).",
                        field="message")
-    _choose_winner(call.conn, child_id, link, _now(), message)
+    if not _choose_winner(call.conn, child_id, link, _now(), message):
+        raise Conflict(f"The winner of campaign message {link} in batch {child_id} was chosen "
+                       "meanwhile, or the batch was cancelled.")
     return True
 
 
@@ -7083,7 +7085,12 @@ def _choose_winner(conn, batch_id, link_id, now, winner=None, how="manual"):
     ``winner``; else the highest rate, a tie to the earlier version) and
     queue it for the recipients who wait; the batch sends on when its last
     test is chosen.  Returns False when the choice was made already (by
-    another worker, or by hand)."""
+    another worker, or by hand) or the batch no longer tests (cancelled).
+    Locks the batch's row first, as making and cancelling it do."""
+    batch = conn.execute(f"SELECT status FROM batch WHERE id = ? {conn.sql['for_update']}",
+                         (batch_id,)).fetchone()
+    if batch is None or batch["status"] != "testing":
+        return False
     test = conn.execute("SELECT * FROM batch_test WHERE batch = ? AND link = ? AND decided = '' "
                         f"{conn.sql['for_update']}", (batch_id, link_id)).fetchone()
     if test is None:
