@@ -6682,6 +6682,8 @@ table{{border-collapse:collapse;width:100%;font-size:.95em}}
 th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
 td.url{{word-break:break-all}} details{{margin-top:.8em}}
 caption{{text-align:left;font-weight:600;margin:.8em 0 .3em}} tr.winner{{background:#dafbe1}}
+.tests{{overflow-x:auto}} .tests table{{font-size:.85em}} .tests th,.tests td{{padding:.35em .25em}}
+.tests td{{overflow-wrap:anywhere}} .tests .n{{white-space:nowrap}}
 </style></head>
 <body><main>
 <h1>{title}</h1>
@@ -6819,29 +6821,39 @@ def _archive_page(archive_record, title):
 
 def _tests_section(record):
     """The A/B tests of the archive's batches as tables: each version's
-    subject and figures, the winner marked."""
+    subject and figures, the winner marked.  Every value is escaped; parts
+    that are not as the records make them are left out."""
+    def text(value):
+        return html.escape(str(value if value is not None else ""))
+
+    def listed(value):
+        return [item for item in value if isinstance(item, dict)] \
+            if isinstance(value, list) else []
+
     parts = []
-    for batch in record.get("batches") or ():
-        for item in batch.get("tests") or ():
-            test = item["test"]
+    for batch in listed(record.get("batches")):
+        for item in listed(batch.get("tests")):
+            test = item.get("test") if isinstance(item.get("test"), dict) else {}
+            winner = test.get("winner") or None
             rows = "".join(
-                f'<tr{" class=winner" if v["message"] == test["winner"] else ""}>'
-                f'<td>{html.escape(v["subject"])}'
-                f'{" <strong>(winner)</strong>" if v["message"] == test["winner"] else ""}</td>'
-                + "".join(f'<td class="n">{html.escape(v[name])}</td>'
+                f'<tr{" class=winner" if v.get("message") == winner else ""}>'
+                f'<td>{text(v.get("subject"))}'
+                f'{" <strong>(winner)</strong>" if v.get("message") == winner else ""}</td>'
+                + "".join(f'<td class="n">{text(v.get(name))}</td>'
                           for name in ("sent", "opened", "clicked", "rate")) + "</tr>"
-                for v in test["versions"])
-            chosen = (f"chosen {'by hand' if test['decided'] == 'manual' else 'automatically'} "
-                      f"at {html.escape(test['decidedat'])}" if test["decided"]
+                for v in listed(test.get("versions")))
+            chosen = (f"chosen {'by hand' if test.get('decided') == 'manual' else 'automatically'}"
+                      f" at {text(test.get('decidedat'))}" if test.get("decided")
                       else "testing, no winner yet")
             parts.append(
-                f'<table data-test="{html.escape(item["link"])}"><caption>Batch '
-                f'{html.escape(batch["id"])}, campaign message {html.escape(item["link"])}: '
+                f'<table data-test="{text(item.get("link"))}"><caption>Batch '
+                f'{text(batch.get("id"))}, campaign message {text(item.get("link"))}: '
                 f'{chosen}</caption><thead><tr><th scope="col">Version (subject)</th>'
                 '<th class="n" scope="col">Sent</th><th class="n" scope="col">Opened</th>'
                 '<th class="n" scope="col">Clicked</th><th class="n" scope="col">Rate</th></tr>'
                 f'</thead><tbody>{rows}</tbody></table>')
-    return "<h2>A/B tests</h2>" + "".join(parts) if parts else ""
+    return '<section class="tests"><h2>A/B tests</h2>' + "".join(parts) + "</section>" \
+        if parts else ""
 
 
 # ---------------------------------------------------------------------------
