@@ -7426,7 +7426,8 @@ def _campaign_preview(call, child_id):
 
 
 def _test_send(call, child_id, addresses):
-    """Each campaign message once to each address, now: prepared as a batch
+    """Each campaign message (each version of a tested one) once to each
+    address, now: prepared as a batch
     would send it and queued as kind 'test' (no batch), to be rendered at
     delivery with the merge values of its segment's first recipient."""
     if child_id != 0:   # as structure and verify: one place, at 0 (API.md section 11)
@@ -7447,10 +7448,11 @@ def _test_send(call, child_id, addresses):
     campaign = call.parent
     _verified(call, campaign["id"], _TEST_SEND_CHECKS)
     template = _usable_template(call)
-    for link in _campaign_links(call.conn, campaign["id"]):
+    for link, version in ((link, version) for link in _campaign_links(call.conn, campaign["id"])
+                          for version in _versions(link)):
         segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
-        message = MESSAGE.find(call.conn, call.account, link["message"])
+        message = MESSAGE.find(call.conn, call.account, version)
         sent = _prepare_message(message, template)
         sender = _campaign_sender(call.conn, campaign, message)
         for address in checked.values():

@@ -331,3 +331,12 @@ def test_cancelling_a_testing_batch_cancels_the_rest(api, db, smtp_sink):
                                                                            "skipped": 24}
     path = f"/campaign/{ids['campaign']}/winner/{batch}"
     api.post(path, status=409, link=ids["link"], message=ids["versions"][1])
+
+
+def test_a_test_send_sends_every_version(api, db, smtp_sink):
+    ids = ab_campaign(api, db, people=3, variants=2)
+    api.put(f"/campaign/{ids['campaign']}/send/0", test=["me@example.com"])
+    deliver(db, smtp_sink)
+    subjects = sorted(raw.split(b"Subject: ")[1].split(b"\r\n")[0].decode()
+                      for _, _, raw in smtp_sink.messages)
+    assert subjects == ["[Test] Subject A", "[Test] Subject B", "[Test] Subject C"]
