@@ -59,6 +59,7 @@ import email.headerregistry
 import email.message
 import email.policy
 import email.utils
+import fractions
 import functools
 import gc
 import hashlib
@@ -1121,6 +1122,35 @@ ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS prepared INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS merge_values TEXT;
 ALTER TABLE IF EXISTS event ADD COLUMN IF NOT EXISTS prepared INTEGER;
+"""}),
+    # Version 7: A/B tests.  The campaign's test settings and a link's
+    # variants are new columns; the batch status 'testing' and the outbox
+    # status 'waiting' new CHECK lists (SQLite rebuilds batch as schema.sql
+    # has it, the outbox was rebuilt by version 6; PostgreSQL swaps the named
+    # constraints).
+    (7, {"sqlite": lambda conn: (_sqlite_add_columns(conn, (
+        ("campaign", "testsize INTEGER NOT NULL DEFAULT 20 CHECK (testsize BETWEEN 10 AND 50)"),
+        ("campaign", "testmetric TEXT NOT NULL DEFAULT 'opens' "
+                     "CHECK (testmetric IN ('opens', 'clicks'))"),
+        ("campaign", "testwait INTEGER NOT NULL DEFAULT 14400 "
+                     "CHECK (testwait BETWEEN 60 AND 604800)"),
+        ("campaign_message", "variants TEXT NOT NULL DEFAULT '[]'"))), [
+            _rebuild_table(conn, "batch", _schema_table("batch"))]),   # outbox: version 6
+        "postgresql": """
+ALTER TABLE campaign ADD COLUMN IF NOT EXISTS testsize INTEGER NOT NULL DEFAULT 20
+    CHECK (testsize BETWEEN 10 AND 50);
+ALTER TABLE campaign ADD COLUMN IF NOT EXISTS testmetric TEXT NOT NULL DEFAULT 'opens'
+    CHECK (testmetric IN ('opens', 'clicks'));
+ALTER TABLE campaign ADD COLUMN IF NOT EXISTS testwait INTEGER NOT NULL DEFAULT 14400
+    CHECK (testwait BETWEEN 60 AND 604800);
+ALTER TABLE campaign_message ADD COLUMN IF NOT EXISTS variants TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE batch DROP CONSTRAINT batch_status_check;
+ALTER TABLE batch ADD CONSTRAINT batch_status_check
+    CHECK (status IN ('scheduled', 'testing', 'sending', 'sent', 'cancelled'));
+ALTER TABLE outbox DROP CONSTRAINT outbox_status_check;
+ALTER TABLE outbox ADD CONSTRAINT outbox_status_check
+    CHECK (status = 'queued' OR status = 'sending' OR status = 'sent'
+           OR status = 'failed' OR status = 'skipped' OR status = 'waiting');
 """}),
     # Version 8: the outbox's priority (transactional emails go first); the
     # SQLite rebuild of version 6 already made it from schema.sql.
@@ -4069,7 +4099,7 @@ def _prepared(conn, account, scope, message, sender, *, template=None, tracking=
 def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=None,
             sender=None, batch=None, message=None, recipient=None, campaign=None,
             base_url=None, recipients=None, now=None, prepared=None, merge_values=None,
-            priority=None):
+            priority=None, status=None):
     """Queue an email in the outbox, in the caller's transaction: the one way
     every email of the service is sent (campaign emails, test sends, archive
     copies, notifications, sign-up emails); the worker delivers it.
@@ -4106,6 +4136,8 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
         prepared message without a recipient row; ``{{email}}`` is ``to_addr``.
     :param priority: 1: delivered before every due row of a lower one (a
         transactional email); default 0.
+    :param status: 'waiting' for campaign emails that wait for an A/B test's
+        winner (see _make_batch()); None: queued.
     :returns: the outbox row's id; with ``recipients`` the number queued.
     """
     sender, now = sender or {}, now or _now()
@@ -4117,7 +4149,7 @@ def enqueue(conn, account, kind, to_addr=None, *, subject=None, body=None, html=
               "html": html, "fromname": sender.get("fromname"),
               "fromaddress": sender.get("fromaddress") or None,
               "replyto": sender.get("replyto"), "created": now, "next_try": now,
-              "priority": priority}
+              "priority": priority, "status": status}
     # Only the values given: an untyped NULL in a SELECT list is text on PostgreSQL.
     fields = {name: value for name, value in fields.items() if value is not None}
     marks = ", ".join("?" for _ in fields)
@@ -5087,7 +5119,8 @@ def _erase_recipient(call, row):
     call.conn.execute("UPDATE event SET email = NULL WHERE account = ? AND email = ?",
                       (account, address))
     call.conn.execute(
-        "UPDATE outbox SET to_addr = ?, status = CASE WHEN status = 'queued' THEN 'skipped' "
+        "UPDATE outbox SET to_addr = ?, status = CASE WHEN status IN ('queued', 'waiting') "
+        "THEN 'skipped' "
         "ELSE status END WHERE account = ? AND to_addr = ?",
         (f"erased-{digest[:24]}@erased.invalid", account, address))
     # Not suppress(): it would write the address down again, in clear.
@@ -6346,7 +6379,13 @@ def _campaign_record(call, row):
             "scheduled": str(row["scheduled"]), "archiveemail": row["archiveemail"],
             "defaulttemplate": row["defaulttemplate"], "created": row["created"],
             "deleted": str(row["deleted"]), "thumbnail": row["thumbnail"],
-            "archiveid": str(row["id"]), "tracking": str(row["tracking"])}
+            "archiveid": str(row["id"]), "tracking": str(row["tracking"]),
+            **{name: str(row[name]) for name in _TEST_SETTINGS}}
+
+
+#: A/B test settings of a campaign (section 18): ``(low, high)`` of each
+#: number; testmetric is a choice of the route table.
+_TEST_SETTINGS = {"testsize": (10, 50), "testmetric": None, "testwait": (60, 604800)}
 
 
 def _campaign_values(call, row):
@@ -6354,6 +6393,10 @@ def _campaign_values(call, row):
         raise InvalidParameter("A campaign is scheduled by sending it (PUT /campaign/{id}/send/0); "
                                "'scheduled' only takes '0', to cancel.", field="scheduled")
     values = _columns(call, CAMPAIGN.column_names)
+    for name, (low, high) in ((n, r) for n, r in _TEST_SETTINGS.items() if r and n in values):
+        if not low <= values[name] <= high:
+            raise InvalidParameter(f"'{name}' must be a whole number from {low} to {high}.",
+                                   field=name)
     if "defaulttemplate" in values:
         values["defaulttemplate"] = _param_defaulttemplate(call, values["defaulttemplate"])
     for name in ("archiveemail", "thumbnail"):
@@ -6363,9 +6406,14 @@ def _campaign_values(call, row):
 
 
 def _cancel_batches(conn, campaign_id):
-    """Cancel the campaign's batches that have not started sending."""
+    """Cancel the campaign's batches that have not started sending, and the
+    rest of those testing: recipients waiting for a winner are not mailed
+    (the test's own emails go on)."""
     conn.execute("UPDATE batch SET status = 'cancelled', finished = ? "
-                 "WHERE campaign = ? AND status = 'scheduled'", (_now(), campaign_id))
+                 "WHERE campaign = ? AND status IN ('scheduled', 'testing')", (_now(), campaign_id))
+    conn.execute("UPDATE outbox SET status = 'skipped', error = 'the batch was cancelled during "
+                 "its A/B test' WHERE status = 'waiting' AND batch IN (SELECT id FROM batch "
+                 "WHERE campaign = ? AND status = 'cancelled')", (campaign_id,))
 
 
 def _cancel_if_unscheduled(call, campaign_id):
@@ -6386,7 +6434,8 @@ _TEMPLATE_VALUE = {"anyOf": [
 CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
-            "archiveemail:email defaulttemplate:scalar@template thumbnail:str tracking:flag",
+            "archiveemail:email defaulttemplate:scalar@template thumbnail:str tracking:flag "
+            "testsize:int testmetric:opens|clicks testwait:int",
     required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
@@ -6396,9 +6445,9 @@ CAMPAIGN = Resource(
     answer="emt_campaign", one_as_list=True,
     fields=_record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
-        "defaulttemplate created deleted thumbnail archiveid tracking",
+        "defaulttemplate created deleted thumbnail archiveid tracking testsize testmetric testwait",
         enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
-        tracking=_FLAG_ANSWER),
+        tracking=_FLAG_ANSWER, testmetric={"type": "string", "enum": ["opens", "clicks"]}),
     doc={
         "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
         "enabled": ("1 when the campaign may send.", "1"),
@@ -6416,7 +6465,19 @@ CAMPAIGN = Resource(
         "thumbnail": ("A URL of a picture of the campaign, for people.",
                       "https://example.com/thumb.png"),
         "tracking": ("1: links and opens of the campaign's emails are counted (off by default).",
-                     "0")})
+                     "0"),
+        "testsize": ("A/B tests: the percentage of each tested segment's recipients who get the "
+                     "test, 10 to 50.", "20", {"anyOf": [
+                         {"type": "integer", "minimum": 10, "maximum": 50},
+                         {"type": "string", "pattern": "^([1-4][0-9]|50)$"}]}),
+        "testmetric": ("A/B tests: what chooses the winner, unique opens or unique clicks over "
+                       "emails sent.", "opens"),
+        "testwait": ("A/B tests: seconds from the start of the test to the choice, 60 to "
+                     "604800.", "14400", {"anyOf": [
+                         {"type": "integer", "minimum": 60, "maximum": 604800},
+                         {"type": "string", "pattern": "^([6-9][0-9]|[1-9][0-9]{2,4}|[1-5][0-9]{5}"
+                                                       "|60[0-3][0-9]{3}|604[0-7][0-9]{2}|604800)$"}
+                     ]})})
 
 
 # ---------------------------------------------------------------------------
@@ -6426,7 +6487,8 @@ CAMPAIGN = Resource(
 def _link_record(call, row):
     return {"id": str(row["id"]), "campaign": str(row["campaign"]),
             "segment": str(row["segment"]), "message": str(row["message"]),
-            "priority": str(row["priority"]), "subject": row["subject"], "name": row["name"]}
+            "priority": str(row["priority"]), "subject": row["subject"], "name": row["name"],
+            "variants": [str(variant) for variant in json.loads(row["variants"])]}
 
 
 def _link_values(call, row):
@@ -6443,6 +6505,15 @@ def _link_values(call, row):
     if duplicate:
         raise Conflict(f"Campaign {campaign_id} already sends message {message} to segment "
                        f"{segment} (campaign message {duplicate['id']}).")
+    if "variants" in values:
+        variants = [_as_int(variant) for variant in values["variants"]]
+        if len(variants) > 4 or len(set(variants)) < len(variants) or message in variants:
+            raise InvalidParameter("'variants' must list 0 to 4 other messages (ids), each once "
+                                   "and none the link's own message.", field="variants")
+        values["variants"] = json.dumps(variants)
+    elif "message" in values and row and message in json.loads(row["variants"]):
+        raise InvalidParameter("'message' is one of the link's variants: change variants too.",
+                               field="message")
     return values
 
 
@@ -6453,7 +6524,8 @@ def _link_values(call, row):
 #: record through one (the route refuses such a link to begin with).
 LINK = Resource(
     "campaign message", "campaign_message", _link_record, parent=CAMPAIGN, parent_key="campaign",
-    columns="segment:int@segment message:int@message priority:int", required="segment message",
+    columns="segment:int@segment message:int@message priority:int variants:list@message",
+    required="segment message",
     repeat={"change": "segmentmessageid!", "delete": "segmentmessagehack!"}, values=_link_values,
     select="campaign_message.*, message.subject, message.name",
     source="campaign_message JOIN campaign ON campaign.id = campaign_message.campaign "
@@ -6461,12 +6533,18 @@ LINK = Resource(
            "JOIN segment ON segment.id = campaign_message.segment AND segment.owner = campaign.owner",
     order="campaign_message.priority, campaign_message.id",
     stamped=False, answer="message", schema="campaignmessage",
-    fields=_record_schema("id campaign segment message priority subject name"),
+    fields=_record_schema("id campaign segment message priority subject name variants",
+                          variants=_ID_LIST),
     doc={
         "segment": ("The id of the segment that gets the message.", 1),
         "message": ("The id of the message to send.", 1),
         "priority": ("Lower goes first: an address in two segments of the campaign gets only "
                      "the message of the segment with the lower priority.", 1),
+        "variants": ("A/B tests: 1 to 4 other message ids tested against the message on this "
+                     "segment ([] for none); see the campaign's testsize, testmetric, testwait.",
+                     [2], {"maxItems": 4, "items": {"anyOf": [
+                         {"type": "integer", "minimum": 0, "maximum": MAX_ID},
+                         {"type": "string", "pattern": "^[0-9]{1,18}$"}]}}),
         "segmentmessageid": ("The campaign message's id again, as in the path.", 1),
         "segmentmessagehack": ("The campaign message's id again, as in the path.", 1)})
 
@@ -6477,6 +6555,12 @@ def _campaign_links(conn, campaign_id):
     return conn.execute(f"SELECT {LINK.select} FROM {LINK.source} "
                         f"WHERE campaign_message.campaign = ? ORDER BY {LINK.order}",
                         (campaign_id,)).fetchall()
+
+
+def _versions(link):
+    """The messages a link sends: its own, then its variants (an A/B test
+    when there are any)."""
+    return [link["message"], *json.loads(link["variants"])]
 
 
 def _whole_campaign(campaign_id, child_id, what):
@@ -6592,8 +6676,8 @@ class _Campaign:
         self.profile_address = self.profile is not None and _normalize_email(
             self.profile["fromaddress"])
         self.links = _campaign_links(conn, campaign_id)
-        self.messages = _rows_by_id(conn, "message", [link["message"] for link in self.links],
-                                    account)
+        self.messages = _rows_by_id(conn, "message", [
+            message for link in self.links for message in _versions(link)], account)
         self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
                                     account)
 
@@ -6678,9 +6762,9 @@ def _verify_links_in_use(c):
         f"{_label(kind, row).capitalize()} is deleted: remove campaign message {link['id']} "
         f"(DELETE /v1/campaign/{c.id}/message/{link['id']}) or link another {kind} instead."
         for link in c.links
-        for kind, row in (("message", c.messages[link["message"]]),
+        for kind, row in (*(("message", c.messages[m]) for m in _versions(link)),
                           ("segment", c.segments[link["segment"]]))
-        if row["deleted"]], "No linked message or segment is deleted."
+        if row["deleted"]], "No linked message, variant or segment is deleted."
 
 
 @_verify_check("message_subject")
@@ -6746,8 +6830,8 @@ def _verify_merge_tags(c):
     """Merge tags that a message uses and the datasources of a segment it is
     sent to lack as fields."""
     problems = []
-    for link in c.links:
-        message, segment = c.messages[link["message"]], c.segments[link["segment"]]
+    for link, version in ((link, version) for link in c.links for version in _versions(link)):
+        message, segment = c.messages[version], c.segments[link["segment"]]
         known = {"email", "unsubscribe_url"}
         for datasource in _rows_by_id(c.conn, "datasource", json.loads(segment["datasources"]),
                                       segment["owner"]):
@@ -6762,6 +6846,27 @@ def _verify_merge_tags(c):
                 f"or correct the tag (POST /v1/message/{message['id']}).")
     return problems, ("Every merge tag names email, unsubscribe_url or a field of the segment's "
                       "datasources.")
+
+
+@_verify_check("variants")
+def _verify_variants(c):
+    """A/B tests: the metric needs tracking, and each version is counted by
+    its emails, so it is sent by its link alone."""
+    tested = [link for link in c.links if len(_versions(link)) > 1]
+    problems = [] if not tested or c.row["tracking"] else [
+        f"Campaign {c.id} tests variants, whose winner is chosen by opens or clicks: turn "
+        f"tracking on with POST /v1/campaign/{c.id} and tracking '1'."]
+    for link in tested:
+        for other in c.links:
+            shared = sorted(set(_versions(link)) & set(_versions(other)))
+            if other["id"] != link["id"] and shared and (
+                    other["id"] > link["id"] or other not in tested):
+                problems.append(
+                    f"Message {shared[0]} is tested by campaign message {link['id']} and sent "
+                    f"by campaign message {other['id']} too: a tested version belongs to one "
+                    f"link (change one with POST /v1/campaign/{c.id}/message/{other['id']}).")
+    return problems, (f"{len(tested)} campaign message(s) test variants, with tracking on."
+                      if tested else "No campaign message tests variants.")
 
 
 @_verify_check("segment_recipients")
@@ -6895,6 +7000,9 @@ figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
 table{{border-collapse:collapse;width:100%;font-size:.95em}}
 th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
 td.url{{word-break:break-all}} details{{margin-top:.8em}}
+caption{{text-align:left;font-weight:600;margin:.8em 0 .3em}} tr.winner{{background:#dafbe1}}
+.tests{{overflow-x:auto}} .tests table{{font-size:.85em}} .tests th,.tests td{{padding:.35em .25em}}
+.tests td{{overflow-wrap:anywhere}} .tests .n{{white-space:nowrap}}
 </style></head>
 <body><main>
 <h1>{title}</h1>
@@ -6903,6 +7011,7 @@ td.url{{word-break:break-all}} details{{margin-top:.8em}}
 {chart}
 <h2>Links</h2>
 {links}
+{tests}
 </main></body></html>
 """
 
@@ -7025,7 +7134,45 @@ def _archive_page(archive_record, title):
                   f'<tbody>{rows}</tbody></table>') if rows else "<p>No tracked links.</p>"
     unit, buckets = _timeline_buckets(record.get("timeline"))
     return _ARCHIVE_PAGE.format(title=html.escape(str(title)), figures=figures, unit=unit,
-                                chart=_chart(unit, buckets), links=link_table)
+                                chart=_chart(unit, buckets), links=link_table,
+                                tests=_tests_section(record))
+
+
+def _tests_section(record):
+    """The A/B tests of the archive's batches as tables: each version's
+    subject and figures, the winner marked.  Every value is escaped; parts
+    that are not as the records make them are left out."""
+    def text(value):
+        return html.escape(str(value if value is not None else ""))
+
+    def listed(value):
+        return [item for item in value if isinstance(item, dict)] \
+            if isinstance(value, list) else []
+
+    parts = []
+    for batch in listed(record.get("batches")):
+        for item in listed(batch.get("tests")):
+            test = item.get("test") if isinstance(item.get("test"), dict) else {}
+            winner = test.get("winner") or None
+            rows = "".join(
+                f'<tr{" class=winner" if v.get("message") == winner else ""}>'
+                f'<td>{text(v.get("subject"))}'
+                f'{" <strong>(winner)</strong>" if v.get("message") == winner else ""}</td>'
+                + "".join(f'<td class="n">{text(v.get(name))}</td>'
+                          for name in ("sent", "opened", "clicked", "rate")) + "</tr>"
+                for v in listed(test.get("versions")))
+            chosen = (f"chosen {'by hand' if test.get('decided') == 'manual' else 'automatically'}"
+                      f" at {text(test.get('decidedat'))}" if test.get("decided")
+                      else "testing, no winner yet")
+            parts.append(
+                f'<table data-test="{text(item.get("link"))}"><caption>Batch '
+                f'{text(batch.get("id"))}, campaign message {text(item.get("link"))}: '
+                f'{chosen}</caption><thead><tr><th scope="col">Version (subject)</th>'
+                '<th class="n" scope="col">Sent</th><th class="n" scope="col">Opened</th>'
+                '<th class="n" scope="col">Clicked</th><th class="n" scope="col">Rate</th></tr>'
+                f'</thead><tbody>{rows}</tbody></table>')
+    return '<section class="tests"><h2>A/B tests</h2>' + "".join(parts) + "</section>" \
+        if parts else ""
 
 
 # ---------------------------------------------------------------------------
@@ -7047,6 +7194,34 @@ def _campaign_send(call, child_id):
     return {"id": str(batch)}
 
 
+def _campaign_winner(call, child_id):
+    """Choose the winner of a link's A/B test in batch ``child_id`` by hand,
+    before the worker does: it is queued for the recipients who wait."""
+    campaign_id, link, message = call.parent["id"], call.get("link"), call.get("message")
+    batch = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
+                              (child_id, campaign_id)).fetchone()
+    if batch is None:
+        raise NotFound(f"Campaign {campaign_id} has no batch {child_id}.")
+    test = call.conn.execute("SELECT * FROM batch_test WHERE batch = ? AND link = ?",
+                             (child_id, link)).fetchone()
+    if test is None:
+        raise NotFound(f"Batch {child_id} tests no campaign message {link}.", field="link")
+    if test["decided"]:
+        raise Conflict(f"The winner of campaign message {link} in batch {child_id} was chosen "
+                       f"already ({test['decided']}, {test['decidedat']}): message "
+                       f"{test['winner']}.")
+    if batch["status"] != "testing":
+        raise Conflict(f"Batch {child_id} is {batch['status']}, not testing: no winner to choose.")
+    if message not in json.loads(test["versions"]):
+        raise Conflict(f"Message {message} is not a version of campaign message {link} in batch "
+                       f"{child_id} (versions: {', '.join(map(str, json.loads(test['versions'])))}).",
+                       field="message")
+    if not _choose_winner(call.conn, child_id, link, _now(), message):
+        raise Conflict(f"The winner of campaign message {link} in batch {child_id} was chosen "
+                       "meanwhile, or the batch was cancelled.")
+    return True
+
+
 def _verified(call, campaign_id, only=None):
     """Refuse (409 verification_failed, with the checks) a campaign that fails
     verify; ``only``: the names of the checks that count."""
@@ -7066,7 +7241,9 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
     Recipients are resolved in SQL: the campaign's segments in priority order,
     one email per address across segments and datasources (the outbox's unique
     (batch, address) index keeps the first), unsubscribed and bounced
-    addresses skipped.  Each batch is made in one transaction, so a crash
+    addresses skipped; the links with variants start their A/B test (see
+    _make_batch()), and tests whose time has come get their winner
+    (_choose_winner()).  Each batch is made in one transaction, so a crash
     leaves it to be made again whole, and the unique index means a second run
     never queues an address twice.  Also marks sending batches whose emails
     are all delivered as sent.  Raises ``batch.started`` and ``batch.sent``
@@ -7100,6 +7277,12 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
                     made += 1
             if pending:
                 _run_callbacks(on_event, pending)
+        for test in conn.execute(
+                "SELECT t.batch, t.link FROM batch_test t JOIN batch b ON b.id = t.batch "
+                "WHERE t.decided = '' AND t.due <= ? AND b.status = 'testing' ORDER BY t.due",
+                (now,)).fetchall():
+            with transaction(conn):   # one choice a transaction; a second maker skips it
+                _choose_winner(conn, test["batch"], test["link"], now)
         # The worker calls this every second: take the write lock only when
         # some batch is still sending.
         if conn.execute("SELECT 1 FROM batch WHERE status = 'sending' LIMIT 1").fetchone():
@@ -7142,21 +7325,152 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
                      (now, batch["id"]))
         _log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
+    tests = []
     for link in _campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
+        versions = _versions(link)
+        # A tested link's recipients all wait at first (after priority and
+        # one email an address, like any link's); _start_test() picks the test.
         enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
-                recipients=_segment_query(conn, segment), now=now)
-        _archive_message(conn, campaign, batch, link["message"], template)
+                recipients=_segment_query(conn, segment), now=now,
+                status="waiting" if len(versions) > 1 else None)
+        for version in versions:
+            _archive_message(conn, campaign, batch, version, template)
+        if len(versions) > 1:
+            tests.append((link["id"], versions))
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
     queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
                           (batch["id"],)).fetchone()[0]
-    conn.execute("UPDATE batch SET status = 'sending', recipients = ?, tracking = ? WHERE id = ?",
-                 (queued, campaign["tracking"], batch["id"]))
+    conn.execute("UPDATE batch SET status = ?, recipients = ?, tracking = ? WHERE id = ?",
+                 ("testing" if tests else "sending", queued, campaign["tracking"], batch["id"]))
+    for link_id, versions in tests:
+        _start_test(conn, campaign, batch["id"], link_id, versions, now)
     _batch_event(conn, conn.execute("SELECT * FROM batch WHERE id = ?", (batch["id"],)).fetchone(),
                  "batch.started", pending)
     _log.info("batch %s of campaign %s: %s emails queued", batch["id"], campaign["id"], queued)
+
+
+# A/B tests (section 18) ---------------------------------------------------------
+
+#: The stable hash of (batch, recipient) that orders a tested link's
+#: recipients: the same on both engines and in every run, so a worker that
+#: makes the batch again after a crash makes the same split.  x mixes the two
+#: ids below 2**31 - 1, x * x (under 2**62) scatters neighbouring ids.
+_TEST_HASH = ("((outbox.recipient % 2147483647 * 48271 + {batch} % 2147483647 * 69621 + 1) "
+              "% 2147483647 * ((outbox.recipient % 2147483647 * 48271 + {batch} % 2147483647 "
+              "* 69621 + 1) % 2147483647) % 2147483647)")
+
+
+def _start_test(conn, campaign, batch_id, link_id, versions, now):
+    """Start the test of one link, whose recipients wait (outbox status
+    'waiting', the link's message): ``testsize`` percent of them (rounded,
+    half up), first by _TEST_HASH, are queued, shared among the versions in
+    turn (their counts differ by one at most); the rest wait for the winner.
+    With nobody in the share the link's own message goes to everyone now."""
+    waiting = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND status = 'waiting' "
+                           "AND message = ?", (batch_id, versions[0])).fetchone()[0]
+    share = (waiting * campaign["testsize"] + 50) // 100
+    conn.execute("INSERT INTO batch_test (batch, link, versions, metric, due) "
+                 "VALUES (?, ?, ?, ?, ?)", (batch_id, link_id, json.dumps(versions),
+                                            campaign["testmetric"],
+                                            _shift(now, campaign["testwait"])))
+    if not share:
+        _choose_winner(conn, batch_id, link_id, now, versions[0], "auto")
+        return
+    cases = " ".join(f"WHEN {index} THEN {int(message)}" for index, message in enumerate(versions))
+    conn.execute(
+        f"UPDATE outbox SET status = 'queued', message = CASE t.turn % {len(versions)} {cases} "
+        "END FROM (SELECT id, row_number() OVER (ORDER BY "
+        f"{_TEST_HASH.format(batch=int(batch_id))}, id) - 1 AS turn FROM outbox "
+        "WHERE batch = ? AND status = 'waiting' AND message = ?) t "
+        "WHERE outbox.id = t.id AND t.turn < ?", (batch_id, versions[0], share))
+
+
+def _test_figures(conn, batch_id, versions, metric):
+    """The versions of a test as the batch archive shows them: ``[{message,
+    sent, opened, clicked, rate}]`` (rate: unique opens, or unique clicks,
+    over emails sent; a click counts as an open, as in 'opened'), read from
+    the outbox and the event table."""
+    marks = ", ".join("?" * len(versions))
+    sent = dict(conn.execute(
+        f"SELECT message, count(*) FROM outbox WHERE batch = ? AND status = 'sent' "
+        f"AND message IN ({marks}) GROUP BY message", (batch_id, *versions)).fetchall())
+    events = {row[0]: row[1:] for row in conn.execute(
+        "SELECT o.message, count(DISTINCT e.outbox), count(DISTINCT e.outbox) FILTER "
+        "(WHERE e.kind = 'click') FROM event e JOIN outbox o ON o.id = e.outbox "
+        "WHERE e.batch = ? AND e.kind IN ('open', 'click') GROUP BY o.message", (batch_id,))}
+    figures = []
+    for message in versions:
+        opened, clicked = events.get(message, (0, 0))
+        count = sent.get(message, 0)
+        rate = fractions.Fraction(opened if metric == "opens" else clicked, count or 1)
+        figures.append({"message": message, "sent": count, "opened": opened,
+                        "clicked": clicked, "rate": rate})
+    return figures
+
+
+def _choose_winner(conn, batch_id, link_id, now, winner=None, how="manual"):
+    """Inside a transaction: choose the winner of a link's test (by hand:
+    ``winner``; else the highest rate, a tie to the earlier version) and
+    queue it for the recipients who wait; the batch sends on when its last
+    test is chosen.  Returns False when the choice was made already (by
+    another worker, or by hand) or the batch no longer tests (cancelled).
+    Locks the batch's row first, as making and cancelling it do."""
+    batch = conn.execute(f"SELECT status FROM batch WHERE id = ? {conn.sql['for_update']}",
+                         (batch_id,)).fetchone()
+    if batch is None or batch["status"] != "testing":
+        return False
+    test = conn.execute("SELECT * FROM batch_test WHERE batch = ? AND link = ? AND decided = '' "
+                        f"{conn.sql['for_update']}", (batch_id, link_id)).fetchone()
+    if test is None:
+        return False
+    versions = json.loads(test["versions"])
+    figures = _test_figures(conn, batch_id, versions, test["metric"])
+    if winner is None:
+        how = "auto"   # max() keeps the first of equal rates
+        winner = max(figures, key=lambda version: version["rate"])["message"]
+    result = [{**version, "rate": _rate_text(version["rate"])} for version in figures]
+    conn.execute("UPDATE batch_test SET winner = ?, decided = ?, decidedat = ?, result = ? "
+                 "WHERE batch = ? AND link = ?",
+                 (winner, how, now, json.dumps(result), batch_id, link_id))
+    conn.execute("UPDATE outbox SET status = 'queued', message = ?, next_try = ? "
+                 "WHERE batch = ? AND status = 'waiting' AND message = ?",
+                 (winner, now, batch_id, versions[0]))
+    conn.execute("UPDATE batch SET status = 'sending' WHERE id = ? AND status = 'testing' "
+                 "AND NOT EXISTS (SELECT 1 FROM batch_test WHERE batch = ? AND decided = '')",
+                 (batch_id, batch_id))
+    _log.info("batch %s, campaign message %s: message %s wins (%s)", batch_id, link_id, winner,
+              how)
+    return True
+
+
+def _rate_text(rate):
+    return f"{float(rate):.4f}"
+
+
+def _batch_tests(conn, batch_id):
+    """The batch archive's ``tests``: per tested link ``{link, test {versions
+    [{message, subject, sent, opened, clicked, rate}], winner, decided,
+    decidedat}}``; the figures live until the choice, then as they were at it."""
+    tests = []
+    for test in conn.execute("SELECT * FROM batch_test WHERE batch = ? ORDER BY link",
+                             (batch_id,)).fetchall():
+        versions = json.loads(test["versions"])
+        figures = json.loads(test["result"]) if test["result"] else [
+            {**version, "rate": _rate_text(version["rate"])}
+            for version in _test_figures(conn, batch_id, versions, test["metric"])]
+        subjects = dict(conn.execute(
+            "SELECT message, subject FROM batch_message WHERE batch = ?", (batch_id,)).fetchall())
+        tests.append({"link": str(test["link"]), "test": {
+            "versions": [{"message": str(version["message"]),
+                          "subject": subjects.get(version["message"], ""),
+                          **{name: str(version[name]) for name in ("sent", "opened", "clicked")},
+                          "rate": version["rate"]} for version in figures],
+            "winner": str(test["winner"] or ""), "decided": test["decided"],
+            "decidedat": test["decidedat"] or ""}})
+    return tests
 
 
 def _archive_message(conn, campaign, batch, message_id, template=None):
@@ -7264,7 +7578,8 @@ def _batch_record(conn, batch, with_messages=True, figures=None):
     record = {"id": str(batch["id"]), "campaign": str(batch["campaign"]),
               "timestamp": batch["timestamp"], "status": batch["status"],
               "queued": str(figures["queued"]), **_statistics_record(figures),
-              "created": batch["created"], "finished": batch["finished"]}
+              "created": batch["created"], "finished": batch["finished"],
+              "tests": _batch_tests(conn, batch["id"])}
     if with_messages:
         record["messages"] = [
             {"message": str(m["message"]), "subject": m["subject"], "html": m["html"],
@@ -7286,10 +7601,19 @@ _STATISTICS_SCHEMAS = {
         "properties": {"hour": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2} "
                                                             "[0-9]{2}:00:00$"},
                        "opens": _COUNT, "clicks": _COUNT}}}}
+_TEST_VERSION = _record_schema("message subject sent opened clicked rate",
+                               sent=_COUNT, opened=_COUNT, clicked=_COUNT,
+                               rate={"type": "string", "pattern": "^[0-9]+[.][0-9]{4}$"})
 _BATCH_SCHEMA = _record_schema(
     "id campaign timestamp status queued " + " ".join(_STATISTICS) + " links timeline "
-    "created finished",
-    status={"type": "string", "enum": ["scheduled", "sending", "sent", "cancelled"]},
+    "created finished tests",
+    status={"type": "string", "enum": ["scheduled", "testing", "sending", "sent", "cancelled"]},
+    tests={"type": "array", "items": {
+        "type": "object", "required": ["link", "test"], "properties": {
+            "link": {"type": "string"},
+            "test": _record_schema("versions winner decided decidedat",
+                                   versions={"type": "array", "items": _TEST_VERSION},
+                                   decided={"type": "string", "enum": ["", "auto", "manual"]})}}},
     **_STATISTICS_SCHEMAS)
 
 BATCH = Resource("batcharchive", "batch", lambda call, row: _batch_record(call.conn, row),
@@ -7421,7 +7745,8 @@ def _campaign_preview(call, child_id):
 
 
 def _test_send(call, child_id, addresses):
-    """Each campaign message once to each address, now: prepared as a batch
+    """Each campaign message (each version of a tested one) once to each
+    address, now: prepared as a batch
     would send it and queued as kind 'test' (no batch), to be rendered at
     delivery with the merge values of its segment's first recipient."""
     if child_id != 0:   # as structure and verify: one place, at 0 (API.md section 11)
@@ -7442,10 +7767,11 @@ def _test_send(call, child_id, addresses):
     campaign = call.parent
     _verified(call, campaign["id"], _TEST_SEND_CHECKS)
     template = _usable_template(call)
-    for link in _campaign_links(call.conn, campaign["id"]):
+    for link, version in ((link, version) for link in _campaign_links(call.conn, campaign["id"])
+                          for version in _versions(link)):
         segment = SEGMENT.find(call.conn, call.account, link["segment"])
         recipient = _segment_recipient(call.conn, segment)
-        message = MESSAGE.find(call.conn, call.account, link["message"])
+        message = MESSAGE.find(call.conn, call.account, version)
         sent = _prepare_message(message, template)
         sender = _campaign_sender(call.conn, campaign, message)
         for address in checked.values():
@@ -10799,6 +11125,8 @@ _PARAM_DOCS = {
                     "in a row counts as hard) or complaint (marked as spam).", "hard"),
     "bounce.campaign": ("The campaign that mailed the address, when known.", 1),
     "bounce.reason": ("Why, in words (kept in the log only).", "550 5.1.1 no such user"),
+    "winner.link": ("The campaign message (link) whose A/B test is chosen.", 1),
+    "winner.message": ("The winner: the link's message or one of its variants.", 2),
 }
 
 
@@ -11268,6 +11596,9 @@ ROUTES = [
           answers=_ANSWER_ID, body_rules={"oneOf": [{"required": ["timestamp"]},
                                                    {"required": ["test"]}]}),
     Route("GET",    "/campaign/{parent_id}/batcharchive/{child_id:int|all}", "read", BATCH.get),
+    Route("POST",   "/campaign/{parent_id}/winner/{child_id}", "write", _campaign_winner,
+          "link:int! message:int@message!", summary="Choose the winner of an A/B test by hand",
+          answers=_ANSWER_DONE, errors=(409,)),
     Route("GET",    "/campaign/{parent_id}/archive/{child_id}", "read", _archive_get),
 
     # Transactional email: one message to one address now, before campaign mail

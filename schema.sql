@@ -200,7 +200,12 @@ CREATE TABLE IF NOT EXISTS campaign (
     thumbnail       TEXT,
     created         TEXT NOT NULL DEFAULT (datetime('now')),
     deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
-    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1))   -- version 2
+    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1)),  -- version 2
+    -- version 7: A/B tests of the links with variants (the share tested, in
+    -- percent; what chooses the winner; seconds from the test to the choice)
+    testsize        INTEGER NOT NULL DEFAULT 20 CHECK (testsize BETWEEN 10 AND 50),
+    testmetric      TEXT NOT NULL DEFAULT 'opens' CHECK (testmetric IN ('opens', 'clicks')),
+    testwait        INTEGER NOT NULL DEFAULT 14400 CHECK (testwait BETWEEN 60 AND 604800)
 );
 CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
 
@@ -213,6 +218,8 @@ CREATE TABLE IF NOT EXISTS campaign_message (
     segment  INTEGER NOT NULL REFERENCES segment(id),
     message  INTEGER NOT NULL REFERENCES message(id),
     priority INTEGER NOT NULL DEFAULT 0 CHECK (priority >= 0),
+    -- version 7: other messages tested against this one (a JSON array of ids)
+    variants TEXT NOT NULL DEFAULT '[]',
     UNIQUE (campaign, segment, message)
 );
 
@@ -221,7 +228,7 @@ CREATE TABLE IF NOT EXISTS batch (
     campaign  INTEGER NOT NULL REFERENCES campaign(id),
     timestamp TEXT NOT NULL,                   -- when it is due, UTC
     status    TEXT NOT NULL DEFAULT 'scheduled'
-              CHECK (status IN ('scheduled', 'sending', 'sent', 'cancelled')),
+              CHECK (status IN ('scheduled', 'testing', 'sending', 'sent', 'cancelled')),
     base_url  TEXT NOT NULL DEFAULT '',        -- where links in its emails point
     recipients INTEGER NOT NULL DEFAULT 0,
     created   TEXT NOT NULL DEFAULT (datetime('now')),
@@ -232,6 +239,25 @@ CREATE TABLE IF NOT EXISTS batch (
 );
 CREATE INDEX IF NOT EXISTS batch_due ON batch(status, timestamp);
 CREATE INDEX IF NOT EXISTS batch_campaign ON batch(campaign);
+
+-- Version 7: the A/B test of each link with variants in a batch: its
+-- versions (a JSON array of message ids, the link's own first), the
+-- campaign's testmetric when the batch was made, when the worker chooses, the
+-- choice ('auto' or 'manual'; '' until made) and the versions' figures at the
+-- choice (JSON, as the batch archive shows them).
+CREATE TABLE IF NOT EXISTS batch_test (
+    batch     INTEGER NOT NULL REFERENCES batch(id),
+    link      INTEGER NOT NULL,
+    versions  TEXT NOT NULL,
+    metric    TEXT NOT NULL CHECK (metric IN ('opens', 'clicks')),
+    due       TEXT NOT NULL,
+    result    TEXT,
+    winner    INTEGER,
+    decided   TEXT NOT NULL DEFAULT '' CHECK (decided IN ('', 'auto', 'manual')),
+    decidedat TEXT,
+    PRIMARY KEY (batch, link)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS batch_test_due ON batch_test(decided, due);
 
 -- Each message as rendered for a batch (the batch archive).
 CREATE TABLE IF NOT EXISTS batch_message (
@@ -253,7 +279,9 @@ CREATE TABLE IF NOT EXISTS batch_message (
 -- emails) carries its ready subject and body.
 -- Status: queued -> sending (claimed by a worker) -> sent | failed, back to
 -- queued for a retry; 'skipped' when the recipient unsubscribed, bounced or
--- was removed between queueing and delivery.
+-- was removed between queueing and delivery.  'waiting' (version 7): a
+-- recipient of a tested link who gets the winner; until it is chosen the row
+-- names the link's own message.
 CREATE TABLE IF NOT EXISTS outbox (
     id          INTEGER PRIMARY KEY,
     account     INTEGER NOT NULL REFERENCES account(id),
@@ -270,7 +298,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     html        TEXT,                          -- optional HTML alternative
     status      TEXT NOT NULL DEFAULT 'queued'
                 CHECK (status = 'queued' OR status = 'sending' OR status = 'sent'
-                       OR status = 'failed' OR status = 'skipped'),
+                       OR status = 'failed' OR status = 'skipped' OR status = 'waiting'),
     attempts    INTEGER NOT NULL DEFAULT 0,    -- delivery attempts made
     next_try    TEXT NOT NULL DEFAULT (datetime('now')),
     claimed_by  TEXT,                          -- the worker sending it; a claim older

@@ -1734,10 +1734,88 @@ def bench_scale(args, tmp):
     return figures
 
 
+def bench_abtest(args, tmp):
+    """An A/B test of two subjects on a --rows batch, 20 % tested: the
+    winner's queueing to the other 80 % (the worker's choice, one
+    transaction) against a plain batch of as many recipients queued in the
+    same run; and the choice itself (each version's rate from the event
+    table) against the floor: the same counts of emails sent and opened, not
+    per version."""
+    db, app, api = new_service(tmp)
+    datasource = api("PUT", "/datasource/0", name="bench")["id"]
+    fill_recipients(db, int(datasource), args.rows)
+    plain = build_campaign(api, datasource)
+    api("PUT", f"/campaign/{plain}/send/0", timestamp="2000-01-01 00:00:00")
+    started = time.perf_counter()
+    campaignapi.process_due(db)
+    baseline = time.perf_counter() - started
+    tested = build_campaign(api, datasource, tracking=1)
+    variant = api("PUT", "/message/0", name="b", subject="Hi {{email}}",
+                  html="<p>Hi</p><a href='{{unsubscribe_url}}'>x</a>", text="Hi {{unsubscribe_url}}")
+    link = api("GET", f"/campaign/{tested}/message/all")["message"][0]
+    api("POST", f"/campaign/{tested}/message/{link['id']}", segmentmessageid=int(link["id"]),
+        variants=[int(variant["id"])])
+    batch = int(api("PUT", f"/campaign/{tested}/send/0", timestamp="2000-01-01 00:00:00")["id"])
+    started = time.perf_counter()
+    campaignapi.process_due(db)
+    make = time.perf_counter() - started
+    conn = campaignapi.connect(db)
+    try:
+        with campaignapi.transaction(conn):   # the test was sent; 25 % of A, 30 % of B open
+            conn.execute("UPDATE outbox SET status = 'sent' WHERE batch = ? AND status = 'queued'",
+                         (batch,))
+            conn.execute(
+                "INSERT INTO event (account, kind, campaign, batch, outbox, email, created) "
+                "SELECT account, 'open', ?, batch, id, to_addr, created FROM outbox "
+                "WHERE batch = ? AND status = 'sent' AND id % 20 < CASE WHEN message = ? "
+                "THEN 6 ELSE 5 END", (tested, batch, int(variant["id"])))
+            conn.execute("UPDATE batch_test SET due = '2000-01-01 00:00:00' WHERE batch = ?",
+                         (batch,))
+        conn.execute("ANALYZE")
+        versions = json.loads(conn.execute("SELECT versions FROM batch_test WHERE batch = ?",
+                                           (batch,)).fetchone()[0])
+        choose, count = [], []
+        for _ in range(3):   # the median of three of each
+            started = time.perf_counter()
+            # internal: the choice's own reading of the rates, timed alone
+            figures = campaignapi._test_figures(conn, batch, versions, "opens")
+            choose.append(time.perf_counter() - started)
+            started = time.perf_counter()   # the floor: the same figures, not per version
+            conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND status = 'sent'",
+                         (batch,)).fetchone()
+            conn.execute("SELECT count(DISTINCT outbox) FROM event WHERE batch = ? "
+                         "AND kind IN ('open', 'click')", (batch,)).fetchone()
+            count.append(time.perf_counter() - started)
+        choose, count = sorted(choose)[1], sorted(count)[1]
+        waiting = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND status = "
+                               "'waiting'", (batch,)).fetchone()[0]
+    finally:
+        conn.close()
+    started = time.perf_counter()
+    campaignapi.process_due(db)   # the choice and the winner's queueing, in one transaction
+    winner = time.perf_counter() - started
+    conn = campaignapi.connect(db)
+    try:
+        queued, chosen = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'queued'), (SELECT winner FROM batch_test "
+            "WHERE batch = ?) FROM outbox WHERE batch = ?", (batch, batch)).fetchone()
+    finally:
+        conn.close()
+    if queued != waiting or chosen != int(variant["id"]):
+        raise RuntimeError(f"the winner went wrong: {queued} of {waiting} queued, {chosen} won")
+    return {"recipients": args.rows, "tested": sum(f["sent"] for f in figures),
+            "rest": waiting, "make_seconds": round(make, 2),
+            "winner_seconds": round(winner, 2), "baseline_queue_seconds": round(baseline, 2),
+            "winner_ratio": round(baseline / winner, 2), "choose_seconds": round(choose, 3),
+            "baseline_count_seconds": round(count, 3),
+            "choose_ratio": round(count / choose, 2) if choose else None,
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
            "api": bench_api, "archive": bench_archive, "tracking": bench_tracking,
            "signup": bench_signup, "hosts": bench_hosts, "during-import": bench_during_import,
-           "scale": bench_scale, "transactional": bench_transactional}
+           "scale": bench_scale, "transactional": bench_transactional, "abtest": bench_abtest}
 STEPS = {**BENCHES, "import-api": bench_import_api, "scale-step": bench_scale_step}  # what a child process can run
 
 TARGETS = {
@@ -1756,7 +1834,9 @@ TARGETS = {
     "hosts": lambda f: f["twice"] == 0 and f["lost"] == 0 and f["failed_in_flight"] <= 1,
     "transactional": lambda f: f["idle"]["max_ms"] < 1000 and f["loaded"]["p99_ms"] < 2000
     and f["idle"]["lost"] == f["loaded"]["lost"] == 0 and f["campaign_in_flight"]
-    and f["keyed_ratio"] >= 0.5,
+    and f["keyed_ratio"] >= 0.8,   # issue 31: a keyed create >= 0.8 of an unkeyed one
+    # Issue 27's figures are for 1,000,000 recipients (small runs are small-scale).
+    "abtest": lambda f: f["winner_seconds"] <= 10 and f["choose_seconds"] <= 1,
 }
 
 
@@ -1883,7 +1963,14 @@ def summary(name, f):
                 f"p99 < 2 s; campaign {f['campaign_sent_before']:,} -> "
                 f"{f['campaign_sent_after']:,} sent meanwhile)\n"
                 f"         create with Idempotency-Key {f['keyed_creates_per_s']}/s vs without "
-                f"{f['plain_creates_per_s']}/s (ratio {f['keyed_ratio']}; target >= 0.5)")
+                f"{f['plain_creates_per_s']}/s (ratio {f['keyed_ratio']}; target >= 0.8)")
+    if name == "abtest":
+        return (f"abtest   {f['recipients']:>9,} recipients, {f['tested']:,} tested  winner to "
+                f"the other {f['rest']:,} in {f['winner_seconds']} s (a plain batch of "
+                f"{f['recipients']:,} queued in {f['baseline_queue_seconds']} s, ratio "
+                f"{f['winner_ratio']}; target <= 10 s at 1M)  choice {f['choose_seconds']} s "
+                f"(the same counts not per version {f['baseline_count_seconds']} s; target <= 1 s)  "
+                f"test made in {f['make_seconds']} s")
     if name == "hosts":
         return (f"hosts    {f['recipients']:>9,} recipients  sent in {f['send_seconds']} s "
                 f"({f['emails_per_s']}/s) by 2 workers, one killed; drained "

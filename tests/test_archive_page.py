@@ -138,7 +138,38 @@ def test_a_long_timeline_is_shown_per_day(page):
     assert page.locator("svg g.bucket").nth(0).get_attribute("data-opens") == "25"  # hours 0, 5 ... 20
 
 
+def test_the_archive_page_shows_each_ab_test_with_its_winner(page):
+    record = realistic_record()
+    versions = [{"message": "4", "subject": "Winter sale: 20% off <today>", "sent": "1248",
+                 "opened": "262", "clicked": "40", "rate": "0.2099"},
+                {"message": "5", "subject": "Last days of the winter sale, with a subject long "
+                 "enough to wrap on a phone", "sent": "1248", "opened": "337", "clicked": "61",
+                 "rate": "0.2700"}]
+    record["batches"] = [{"id": "9", "tests": [{"link": "3", "test": {
+        "versions": versions, "winner": "5", "decided": "auto",
+        "decidedat": "2026-11-20 10:00:00"}}]}]
+    content = archive_page(record, "Winter sale")
+    for name, width in (("archive-test-desktop", 1200), ("archive-test-phone", 375)):
+        assert show(page, content, name, width, 900) == []
+        assert page.evaluate("document.documentElement.scrollWidth - "
+                             "document.documentElement.clientWidth") <= 0
+    table = page.locator('section.tests table[data-test="3"]')
+    assert "Batch 9, campaign message 3: chosen automatically at 2026-11-20 10:00:00" in \
+        table.locator("caption").inner_text()
+    rows = table.locator("tbody tr")
+    assert rows.count() == 2
+    assert rows.nth(0).locator("td").all_text_contents() == [
+        "Winter sale: 20% off <today>", "1248", "262", "40", "0.2099"]
+    assert rows.nth(1).get_attribute("class") == "winner"
+    assert rows.nth(1).locator("td").nth(0).inner_text().endswith("(winner)")
+    # The links table is still the links alone.
+    assert page.locator("main > table tbody tr").count() == 3
+
+
 @pytest.mark.parametrize("record", [
+    {"batches": "nonsense"}, {"batches": [None, {"tests": ["x", {"test": "y"}]}]},
+    {"batches": [{"tests": [{"link": "<i>x</i>", "test": {"versions": [None, {"x": 1}],
+                                                          "decided": "manual"}}]}]},
     {"timeline": [{"hour": "not a time", "opens": "x"}, None, {"hour": "2026-01-01 00:00:00"}],
      "links": ["not a dict", {"url": "<i>x</i>"}], "opens": "<b>1</b>"},
     {"timeline": "nonsense", "links": None},

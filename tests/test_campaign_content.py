@@ -48,7 +48,7 @@ def test_link_create_get_change_delete(api, db):
     record = api.get(f"/campaign/{c}/message/{link}")["message"]
     assert record == {"id": link, "campaign": c, "segment": made["segment"],
                       "message": made["message"], "priority": "0",
-                      "subject": GOOD_MESSAGE["subject"], "name": "Welcome"}
+                      "subject": GOOD_MESSAGE["subject"], "name": "Welcome", "variants": []}
     other = api.put("/message/0", name="Second", subject="Two")["id"]
     second = api.put(f"/campaign/{c}/message/0", segment=made["segment"], message=other,
                      priority=5)["id"]
@@ -292,6 +292,9 @@ BREAKERS = {
                                                      text="No way out"), "text body"),
     "merge_tags": (lambda api, db, m: api.post(f"/message/{m['message']}",
                                                subject="Hi {{nickname}}"), "{{nickname}}"),
+    "variants": (lambda api, db, m: api.post(  # an A/B test of a campaign without tracking
+        f"/campaign/{m['campaign']}/message/{m['link']}", segmentmessageid=m["link"],
+        variants=[int(api.put("/message/0", **GOOD_MESSAGE)["id"])]), "tracking '1'"),
     "segment_recipients": (lambda api, db, m: api.post(
         f"/segment/{m['segment']}", conditions=[{"field": "firstname", "op": "eq",
                                                  "value": "Zoe"}]), "no active recipients"),

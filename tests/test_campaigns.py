@@ -8,7 +8,7 @@ import campaignapi
 
 RECORD_KEYS = {"id", "owner", "accountprofile", "name", "description", "enabled", "scheduled",
                "archiveemail", "defaulttemplate", "created", "deleted", "thumbnail", "archiveid",
-               "tracking"}
+               "tracking", "testsize", "testmetric", "testwait"}
 
 
 def campaign(api, campaign_id):
@@ -26,7 +26,8 @@ def test_record_field_for_field(api):
     assert record == {**record, "id": "1", "accountprofile": "3", "name": "Spring sale",
                       "description": "", "enabled": "1", "scheduled": "0", "archiveemail": None,
                       "defaulttemplate": "", "deleted": "0", "thumbnail": None, "archiveid": "1",
-                      "tracking": "0"}
+                      "tracking": "0", "testsize": "20", "testmetric": "opens",
+                      "testwait": "14400"}
     assert re.fullmatch(r"\d+", record["owner"])
     for key, value in record.items():
         assert isinstance(value, str) or (value is None and key in ("archiveemail", "thumbnail"))

@@ -24,6 +24,7 @@ NESTED = {
     ("PUT", "/datasource/{parent_id}/recipient/{child_id}", "fields"): "a field by name",
     ("POST", "/datasource/{parent_id}/recipient/{child_id}", "fields"): "a field by name",
     ("GET", "/campaign/{parent_id}/preview/{child_id}", "recipient"): "a recipient (id or address)",
+    ("POST", "/campaign/{parent_id}/winner/{child_id}", "link"): "a link tested by the batch",
 }
 
 #: Parameters of a type that could hold an id (or named like a kind) that name no record.
@@ -31,7 +32,8 @@ NOT_REFERENCES = {"limit", "offset", "priority", "sortorder", "timestamp",
                   "events",    # webhook event kinds
                   "test",      # addresses of a test send
                   "fields",    # a datasource's new fields [{name, type}] (recipient fields: NESTED)
-                  "data"}      # a transactional email's merge values
+                  "data",      # a transactional email's merge values
+                  "testsize", "testwait"}     # a campaign's A/B test settings
 
 #: Parameter types that can carry an id.
 ID_TYPES = {"int", "ref", "list", "object", "scalar"}
@@ -87,6 +89,8 @@ def world(client, auth, other, db):
                                          email="only.theirs@their.example")["id"]
     mine = build_world(mine_api, send=False)
     mine["message2"] = mine_api.put("/message/0", name="second")["id"]
+    mine["batch"] = mine_api.put(f"/campaign/{mine['campaign']}/send/0",   # never made here
+                                 timestamp="2000-01-01 00:00:00")["id"]
     mine["recipient"] = mine_api.get(f"/datasource/{mine['datasource']}/recipient/all")[
         "recipient"][0]["id"]
     return {"mine": children(mine_api, mine), "theirs": children(theirs_api, theirs),
@@ -109,7 +113,7 @@ def path_word(route):
     words = route.path.split("/")
     if len(words) < 4:
         return words[1]
-    return {"message": "link", "preview": "link"}.get(words[3], words[3])
+    return {"message": "link", "preview": "link", "winner": "batch"}.get(words[3], words[3])
 
 
 def path_of(route, mine, new_id):
@@ -143,6 +147,8 @@ def base_body(route, mine):
         ("DELETE", "/campaign/{parent_id}/message/{child_id}"): {"segmentmessagehack": ints["link"]},
         ("POST", "/bounce"): {"email": "ann@example.com", "type": "soft"},
         ("PUT", "/transactional/{id}"): {"to": "ann@example.com", "message": ints["message"]},
+        ("POST", "/campaign/{parent_id}/winner/{child_id}"): {
+            "link": ints["link"], "message": ints["message"]},
     }.get((route.method, route.path), {})
 
 
@@ -150,6 +156,8 @@ def values_of(route, name, theirs):
     """``[(another account's value, an unknown value)]`` for parameter ``name``."""
     if name in ("conditions", "fields"):
         return [("secret", "nosuchfield")]
+    if name == "link":
+        return [(int(theirs["link"]), UNKNOWN)]
     if name == "recipient":
         return [(int(theirs["recipient"]), UNKNOWN),
                 ("only.theirs@their.example", "nobody@nowhere.example")]
@@ -163,7 +171,7 @@ def values_of(route, name, theirs):
 
 def given(name, value):
     """The parameter ``name`` holding ``value`` as the route takes it."""
-    if name == "datasources":
+    if name in ("datasources", "variants"):
         return [value]
     if name == "conditions":
         return [{"field": value, "op": "eq", "value": "x"}]
