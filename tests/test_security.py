@@ -99,6 +99,7 @@ VALID = {
     ("POST", "/webhook/{id}"): {"url": "https://1.1.1.1/taken-over", "enabled": 1},
     ("POST", "/template/{id}"): {"name": "x"}, ("DELETE", "/template/{id}"): {"id": 1},
     ("POST", "/bounce"): {"email": "ann@example.com", "type": "hard", "campaign": 1},
+    ("POST", "/campaign/{parent_id}/winner/{child_id}"): {"link": 1, "message": 1},
 }
 
 #: A public address literal: valid without webhook_allow_private, no DNS, never called here.
