@@ -67,7 +67,9 @@ CREATE TABLE IF NOT EXISTS datasource (
     doubleoptin    INTEGER NOT NULL DEFAULT 1 CHECK (doubleoptin IN (0, 1)),
     confirmmessage INTEGER,
     welcomemessage INTEGER,
-    fromprofile    INTEGER
+    fromprofile    INTEGER,
+    -- version 10: the language of its public pages and built-in emails
+    language       TEXT NOT NULL DEFAULT 'en' CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'))
 );
 CREATE INDEX IF NOT EXISTS datasource_owner ON datasource(owner, deleted);
 
@@ -79,6 +81,7 @@ CREATE TABLE IF NOT EXISTS field (
     name       TEXT NOT NULL COLLATE NOCASE,
     type       TEXT NOT NULL CHECK (type IN ('text', 'integer', 'number', 'boolean',
                                              'date', 'datetime', 'email')),
+    label      TEXT NOT NULL DEFAULT '',   -- version 10: shown on the sign-up form
     UNIQUE (datasource, name)
 );
 
@@ -200,7 +203,8 @@ CREATE TABLE IF NOT EXISTS campaign (
     thumbnail       TEXT,
     created         TEXT NOT NULL DEFAULT (datetime('now')),
     deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1)),
-    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1))   -- version 2
+    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1)),  -- version 2
+    public          INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1))     -- version 10: archive
 );
 CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
 
