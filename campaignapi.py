@@ -7230,8 +7230,9 @@ def _test_send(call, child_id, addresses):
 
 
 # ---------------------------------------------------------------------------
-# Public pages: unsubscribe, sign-up and confirm (signed tokens, not stored;
-# no key needed)
+# Public pages: the words of every page in each language, unsubscribe and the
+# preference centre, sign-up and confirm, the public archive, report links
+# (signed tokens, not stored; no key needed)
 # ---------------------------------------------------------------------------
 
 
