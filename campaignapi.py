@@ -7553,7 +7553,7 @@ _STRINGS = {
 _PERSON_PAGE = """<!doctype html>
 <html lang="{lang}"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
+<title>{title}</title>{head}
 <style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;
 color:#222;overflow-wrap:anywhere}} body.wide{{max-width:48em;margin-top:1.5em}}
 button{{font:inherit;padding:.5em 1.2em;cursor:pointer}} a{{color:#0b57d0}}
@@ -7567,7 +7567,7 @@ display:flex;flex-wrap:wrap;gap:.3em 1em;align-items:center;justify-content:spac
 .archive{{list-style:none;padding:0}} .archive li{{border-top:1px solid #d0d7de;padding:.6em 0}}
 .archive .sent{{display:block}}
 iframe{{width:100%;height:70vh;min-height:20em;border:1px solid #d0d7de;border-radius:4px;
-box-sizing:border-box}} h2{{font-size:1.15em;margin-top:1.5em}}
+box-sizing:border-box}} h1{{line-height:1.2}} h2{{font-size:1.15em;margin-top:1.5em}}
 .trap{{position:absolute;left:-10000px;width:1px;height:1px;overflow:hidden}}</style></head>
 <body class="{width}"><main><h1>{title}</h1>{body}</main></body></html>
 """
@@ -7596,9 +7596,9 @@ def _browser_words():
     return _Words(next((lang for q, lang in asked if q > 0 and lang in LANGUAGES), "en"))
 
 
-def _page_response(title, body, status=200, words=None, wide=False):
+def _page_response(title, body, status=200, words=None, wide=False, head=""):
     return bottle.HTTPResponse(
-        _PERSON_PAGE.format(title=html.escape(title), body=body,
+        _PERSON_PAGE.format(title=html.escape(title), body=body, head=head,
                             lang=words.lang if words else "en", width="wide" if wide else ""),
         status=status, headers={"Content-Type": "text/html; charset=utf-8",
                                 "Cache-Control": "no-store", "X-Robots-Tag": "noindex"})
@@ -7890,7 +7890,7 @@ def _form_gone(status=404, cors=False):
                       status, cors)
 
 
-def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
+def _signup_form(call, ds, values=None, error=None, status=200):
     """The sign-up form of a datasource in its language: the address and its
     fields, each with its label (else its name); plain HTML that works
     without JavaScript.  After a refusal: what was typed, the ``error``
@@ -7902,7 +7902,8 @@ def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
     fields = call.conn.execute("SELECT id, name, type, label FROM field WHERE datasource = ? "
                                "ORDER BY id", (datasource["id"],)).fetchall()
     labels = {name.lower(): label or name for _, name, _, label in fields}
-    labels["email"] = words("email_label")
+    labels["email"] = next((label for _, name, _, label in fields
+                            if name.lower() == "email" and label), words("email_label"))
     rows = []
     for field_id, name, kind, _ in fields:
         is_email = name.lower() == "email"
@@ -8340,7 +8341,8 @@ def _archive_list(call, ds):
     return _page_response(words("archive_title", name=datasource["name"]), (
         f'<ul class="archive">{items}</ul><p><a href="../subscribe/{ds}">{words.html("subscribe_title", name=name)}'
         f'</a> · <a href="{ds}/feed" type="application/atom+xml">{words.html("archive_feed")}'
-        "</a></p>"), words=words, wide=True)
+        "</a></p>"), words=words, wide=True, head=(   # where feed readers look for it
+            f'<link rel="alternate" type="application/atom+xml" href="{ds}/feed">'))
 
 
 def _archive_batch(call, ds, batch):

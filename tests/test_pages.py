@@ -200,6 +200,8 @@ def test_the_archive_lists_the_public_sent_batches_newest_first(world):
     assert [a.get_text() for a in page.html.select("main ul a")] == ["Hi : spring news"] * 2
     assert "Internal" not in page.text and "Ann" not in page.text
     assert page.html.select_one("h1").get_text() == "Archive of News"
+    # A feed reader given the page finds the feed.
+    assert page.html.select_one('head link[rel="alternate"]')["href"] == f"{world['news']}/feed"
 
 
 def test_an_archived_email_is_shown_as_sent_without_anything_of_a_recipient(world):
@@ -422,6 +424,11 @@ def test_field_labels_show_on_the_form_instead_of_names(world):
     labels = [label.get_text() for label in client.get(f"/v1/subscribe/{news}").html.select(
         "form label")]
     assert labels[1] == "Your first name (optional)"
+    # The address's own label too, else the words of the list's language.
+    api.post(f"/datasource/{news}", fields=[{"name": "email", "type": "email",
+                                             "label": "Where we write to"}])
+    assert client.get(f"/v1/subscribe/{news}").html.select_one("form label").get_text() == \
+        "Where we write to"
     error = api.post(f"/datasource/{news}", status=400,
                      fields=[{"name": "first", "type": "text", "label": "two\nlines"}])
     assert error["field"] == "fields"
