@@ -579,3 +579,14 @@ def test_a_long_envelope_wraps_on_a_phone(world, site, page):
     world["api"].put("/message/0", name="x" * 300, subject="y" * 400, text="z")
     page.goto(f"{site}/v1/message/all")
     check(page, "envelope-long")
+
+
+def test_the_checks_catch_what_they_look_for(page):
+    # The harness itself: a page as the chart was (a 640 px minimum) scrolls
+    # sideways at 390 px, and a form field without a label is a serious violation.
+    page.set_viewport_size({"width": 390, "height": 900})
+    page.set_content('<!doctype html><html lang="en"><head><title>t</title><meta name="viewport" '
+                     'content="width=device-width"></head><body><main><div style="min-width:640px">'
+                     'wide</div><input type="text"></main></body></html>')
+    assert not page.evaluate("document.documentElement.scrollWidth <= innerWidth")
+    assert "label" in {violation["id"] for violation in axe_violations(page)}
