@@ -574,10 +574,11 @@ def test_every_page_reads_at_desktop_and_phone_widths(world, site, page):
     check(page, "envelope-401")
 
 
-def test_a_long_envelope_wraps_on_a_phone(world, site, page):
-    page.set_extra_http_headers(world["api"].headers)
-    world["api"].put("/message/0", name="x" * 300, subject="y" * 400, text="z")
-    page.goto(f"{site}/v1/message/all")
+def test_a_long_envelope_wraps_on_a_phone(api, live_server, page):
+    page.set_extra_http_headers(api.headers)
+    api.put("/message/0", name="x" * 300, subject="y" * 400, text="z")
+    page.goto(f"{live_server}/v1/message/all")
+    assert page.locator("meta[name=viewport]").count() == 1
     check(page, "envelope-long")
 
 
