@@ -1104,13 +1104,19 @@ ALTER TABLE outbox ADD COLUMN IF NOT EXISTS campaign INTEGER;
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS base_url TEXT;
 """}),
     # Version 10: pages people see: a datasource's language, a field's label
-    # on the sign-up form, a campaign in the public archive.
+    # on the sign-up form, a campaign in the public archive, and the lists
+    # each batch made so far mailed (as its outbox rows say).
     (10, """
 ALTER TABLE datasource ADD COLUMN language TEXT NOT NULL DEFAULT 'en'
     CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'));
 ALTER TABLE field ADD COLUMN label TEXT NOT NULL DEFAULT '';
 ALTER TABLE campaign ADD COLUMN public INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1));
 """),
+    (10, lambda conn: (conn.run_script(conn.schema_script(_schema_table("batch_datasource"))),
+                       conn.execute(
+        "INSERT INTO batch_datasource (datasource, batch) SELECT DISTINCT r.datasource, o.batch "
+        "FROM outbox o JOIN recipient r ON r.id = o.recipient JOIN batch b ON b.id = o.batch "
+        "WHERE o.kind = 'campaign' ON CONFLICT DO NOTHING"))),
 )
 
 
@@ -6883,12 +6889,16 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
                      (now, batch["id"]))
         _log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
+    drawn = set()   # the datasources of its segments, for their public archives
     for link in _campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
+        drawn.update(int(datasource) for datasource in json.loads(segment["datasources"]))
         enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
                 recipients=_segment_query(conn, segment), now=now)
         _archive_message(conn, campaign, batch, link["message"], template)
+    conn.executemany("INSERT INTO batch_datasource (datasource, batch) VALUES (?, ?) "
+                     "ON CONFLICT DO NOTHING", [(ds, batch["id"]) for ds in sorted(drawn)])
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
     queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
@@ -8275,14 +8285,13 @@ def _apply_confirm(call, recipient, base):
 #: How many batches a public archive page and its feed show, newest first.
 _ARCHIVE_SHOWN = 50
 #: The public archive of a datasource: the sent batches of its owner's public,
-#: live campaigns that mailed one of its recipients, newest first.
+#: live campaigns that mailed it (their segments drew from it: batch_datasource,
+#: read by its key however big the batches), newest first.
 _PUBLIC_BATCHES = (
     "SELECT b.id, coalesce(b.finished, b.timestamp) AS sent, c.name AS campaign_name "
-    "FROM batch b JOIN campaign c ON c.id = b.campaign "
-    "WHERE c.owner = ? AND c.public = 1 AND c.deleted = 0 AND b.status = 'sent' {} "
-    "AND EXISTS (SELECT 1 FROM outbox o JOIN recipient r ON r.id = o.recipient "
-    "WHERE o.batch = b.id AND o.kind = 'campaign' AND r.datasource = ?) "
-    "ORDER BY sent DESC, b.id DESC LIMIT ?")
+    "FROM batch_datasource d JOIN batch b ON b.id = d.batch JOIN campaign c ON c.id = b.campaign "
+    "WHERE d.datasource = ? AND c.owner = ? AND c.public = 1 AND c.deleted = 0 "
+    "AND b.status = 'sent' {} ORDER BY sent DESC, b.id DESC LIMIT ?")
 #: A link whose address was a merge tag (the unsubscribe link, a confirm
 #: link): emptied in the archive, so the link goes and its words stay.
 _EMPTIED_LINK = re.compile(r"""<a\b[^>]*?\bhref\s*=\s*(?:""|'')[^>]*>(.*?)</a\s*>""",
@@ -8302,7 +8311,7 @@ def _archive_batches(call, ds, batch=None):
         return None, _browser_words(), []
     only = (batch,) if batch is not None else ()
     rows = call.conn.execute(_PUBLIC_BATCHES.format("AND b.id = ?" if only else ""), (
-        datasource["owner"], *only, datasource["id"], _ARCHIVE_SHOWN)).fetchall()
+        datasource["id"], datasource["owner"], *only, _ARCHIVE_SHOWN)).fetchall()
     messages = {}
     for row in call.conn.execute("SELECT * FROM batch_message WHERE batch IN ({}) ORDER BY "
                                  "batch, message".format(", ".join("?" for _ in rows) or "NULL"),

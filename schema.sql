@@ -250,6 +250,15 @@ CREATE TABLE IF NOT EXISTS batch_message (
     PRIMARY KEY (batch, message)
 ) WITHOUT ROWID;
 
+-- The datasources whose recipients a batch's segments drew from (version 10),
+-- written when the batch is made: a datasource's public archive reads its
+-- batches here rather than in the outbox.
+CREATE TABLE IF NOT EXISTS batch_datasource (
+    datasource INTEGER NOT NULL,
+    batch      INTEGER NOT NULL REFERENCES batch(id),
+    PRIMARY KEY (datasource, batch)
+) WITHOUT ROWID;
+
 -- The outbox: every email the service sends.  A campaign email names its
 -- batch, message and recipient and is rendered at delivery from the batch's
 -- prepared message; a test send carries its prepared message (merge tags

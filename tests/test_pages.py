@@ -43,12 +43,13 @@ def today():
 
 
 def send_campaign(world, name, datasource, subject, public=1):
-    """A tracked campaign to every recipient of ``datasource``, sent and
-    delivered; its id."""
+    """A tracked campaign to every recipient of ``datasource`` (an id or a
+    list of them), sent and delivered; its id."""
     api = world["api"]
     message = api.put("/message/0", name=name, subject=subject, html=HTML,
                       text="Dear {{first}}\nLeave: {{unsubscribe_url}}")["id"]
-    segment = api.put("/segment/0", name=name, datasources=[datasource])["id"]
+    segment = api.put("/segment/0", name=name, datasources=datasource if isinstance(
+        datasource, list) else [datasource])["id"]
     campaign = int(api.put("/campaign/0", name=name, accountprofile=world["profile"],
                            tracking=1, public=public)["id"])
     api.put(f"/campaign/{campaign}/message/0", segment=int(segment), message=int(message))
@@ -591,3 +592,16 @@ def test_the_checks_catch_what_they_look_for(page):
                      'wide</div><input type="text"></main></body></html>')
     assert not page.evaluate("document.documentElement.scrollWidth <= innerWidth")
     assert "label" in {violation["id"] for violation in axe_violations(page)}
+
+
+def test_a_batch_is_in_the_archive_of_every_list_its_segments_drew_from(world):
+    # One email to Ann and Bob, who are on News and Offers: the archive of each shows it.
+    api, news, offers = world["api"], world["news"], world["offers"]
+    both = send_campaign(world, "both", [news, offers], "For both lists")
+    campaignapi.process_due(world["db"])   # the batch is sent
+    batch = api.get(f"/campaign/{both}/batcharchive/all")["batcharchive"][0]
+    assert batch["status"] == "sent" and batch["sent"] == "2"   # each address once
+    for ds in (news, offers):
+        page = world["client"].get(f"/v1/archive/{ds}")
+        assert "For both lists" in [a.get_text() for a in page.html.select("main ul a")]
+        world["client"].get(f"/v1/archive/{ds}/{batch['id']}")
