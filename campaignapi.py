@@ -38,7 +38,7 @@ __all__ = [
     "UnsupportedMediaType", "InvalidData", "TooManyRequests", "IdempotencyKeyReused",
     "sign_token", "read_token", "unsubscribe_token", "read_unsubscribe_token", "suppress",
     "log_to_stderr", "INTEGRITY_ERRORS", "SCHEMA_VERSION", "MAX_ID", "MAX_EXPLICIT_ID",
-    "FIELD_TYPES", "RECIPIENT_STATUSES",
+    "FIELD_TYPES", "RECIPIENT_STATUSES", "LANGUAGES",
     # The record kinds' declarations: their operations are the handlers of ROUTES.
     "ACCOUNTPROFILE", "BATCH", "CAMPAIGN", "DATASOURCE", "EXPORT", "FIELD", "IMPORT", "LINK",
     "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK", "TRANSACTIONAL",
@@ -139,9 +139,11 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 10
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
+#: The languages of a datasource's public pages and built-in emails (its ``language``).
+LANGUAGES = ("en", "de", "fr", "es", "nl")
 #: Only 'active' recipients receive campaigns.
 RECIPIENT_STATUSES = ("active", "unconfirmed", "unsubscribed", "bounced", "complained")
 _PAGE_DEFAULT, _PAGE_MAX = 100, 1000
@@ -1158,6 +1160,20 @@ ALTER TABLE outbox ADD CONSTRAINT outbox_status_check
         conn, (("outbox", "priority INTEGER NOT NULL DEFAULT 0"),)),
          "postgresql": "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS priority BIGINT NOT NULL "
                        "DEFAULT 0;"}),
+    # Version 10: pages people see: a datasource's language, a field's label
+    # on the sign-up form, a campaign in the public archive, and the lists
+    # each batch made so far mailed (as its outbox rows say).
+    (10, """
+ALTER TABLE datasource ADD COLUMN language TEXT NOT NULL DEFAULT 'en'
+    CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'));
+ALTER TABLE field ADD COLUMN label TEXT NOT NULL DEFAULT '';
+ALTER TABLE campaign ADD COLUMN public INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1));
+"""),
+    (10, lambda conn: (conn.run_script(conn.schema_script(_schema_table("batch_datasource"))),
+                       conn.execute(
+        "INSERT INTO batch_datasource (datasource, batch) SELECT DISTINCT r.datasource, o.batch "
+        "FROM outbox o JOIN recipient r ON r.id = o.recipient JOIN batch b ON b.id = o.batch "
+        "WHERE o.kind = 'campaign' ON CONFLICT DO NOTHING"))),
 )
 
 
@@ -1265,6 +1281,11 @@ def _migrate(conn, script, target, migrations):
 
 def _now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _today():
+    """Today (UTC) as days since 1970-01-01: the expiry of signed links."""
+    return (datetime.datetime.now(datetime.timezone.utc).date() - datetime.date(1970, 1, 1)).days
 
 
 def _shift(moment_text, seconds):
@@ -2726,13 +2747,11 @@ def _envelope(response_id, success, data):
     return {"responseId": response_id, "version": 1, "success": success, "data": data}
 
 
-def _prefers_html(accept):
-    """True when the Accept header ranks text/html above JSON (a browser)."""
-    if "html" not in (accept or ""):  # API clients: no parsing per request
-        return False
-    quality = {}
-    for item in (accept or "").split(","):
-        media, *options = [part.strip() for part in item.split(";")]
+def _accept_items(header):
+    """``(value, q)`` of each item of an Accept-style header (Accept,
+    Accept-Language), its q 1.0 unless it says otherwise (0 when unreadable)."""
+    for item in (header or "").split(",")[:50]:
+        value, *options = [part.strip() for part in item.split(";")]
         q = 1.0
         for option in options:
             if option.startswith("q="):
@@ -2740,6 +2759,15 @@ def _prefers_html(accept):
                     q = float(option[2:])
                 except ValueError:
                     q = 0.0
+        yield value, q
+
+
+def _prefers_html(accept):
+    """True when the Accept header ranks text/html above JSON (a browser)."""
+    if "html" not in (accept or ""):  # API clients: no parsing per request
+        return False
+    quality = {}
+    for media, q in _accept_items(accept):
         quality[media.lower()] = max(q, quality.get(media.lower(), 0.0))
     html_q = quality.get("text/html", 0.0)
     json_q = max(quality.get("application/json", 0.0), quality.get("application/*", 0.0),
@@ -2748,16 +2776,21 @@ def _prefers_html(accept):
 
 
 _HTML_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>campaignapi: {title}</title>
-<style>body{{font:15px/1.4 system-ui,sans-serif;margin:2em;color:#222}}
-pre{{background:#f6f8fa;padding:1em;border-radius:6px;overflow:auto}}
-.false{{color:#b00020}}.true{{color:#137333}}</style></head>
-<body><h1 class="{success}">{title}</h1><pre id="envelope">{body}</pre></body></html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>campaignapi: {title}</title>
+<style>body{{font:15px/1.4 system-ui,sans-serif;margin:2em auto;padding:0 1em;max-width:60em;
+color:#222}} pre{{background:#f6f8fa;padding:1em;border-radius:6px;white-space:pre-wrap;
+overflow-wrap:anywhere}} .false{{color:#b00020}}.true{{color:#137333}} a{{color:#0b57d0}}
+li{{margin:.3em 0}}</style></head>
+<body><main><h1 class="{success}">{title}</h1>{extra}<pre id="envelope">{body}</pre></main>
+</body></html>
 """
 
 
-def _respond(status, envelope, headers=None):
-    """Answer an envelope: JSON, or a small page for a browser.
+def _respond(status, envelope, headers=None, page=None):
+    """Answer an envelope: JSON, or a small page for a browser (``page``:
+    ``(title, [(href, text)])``, a title and links above the envelope).
 
     Sets status and headers on bottle's response for this request and returns
     the body (cheaper than building an HTTPResponse for bottle to copy over).
@@ -2769,9 +2802,13 @@ def _respond(status, envelope, headers=None):
     response.set_header("X-Response-Id", envelope["responseId"])
     if _prefers_html(_request_header("Accept")):
         title = "success" if envelope["success"] else envelope["data"].get("error", "error")
+        title, links = page or (title, ())
         response.content_type = "text/html; charset=utf-8"
+        extra = "<nav><ul>{}</ul></nav>".format("".join(
+            f'<li><a href="{html.escape(href)}">{html.escape(text)}</a></li>'
+            for href, text in links)) if links else ""
         return _HTML_PAGE.format(
-            title=html.escape(title), success=str(envelope["success"]).lower(),
+            title=html.escape(title), success=str(envelope["success"]).lower(), extra=extra,
             body=html.escape(json.dumps(envelope, indent=2, ensure_ascii=False)))
     response.content_type = "application/json"
     return _to_json(envelope)
@@ -4760,8 +4797,9 @@ ACCOUNTPROFILE = Resource("accountprofile", "accountprofile", _plain_record,
 # ---------------------------------------------------------------------------
 
 def _datasource_record(call, row):
-    fields = [{"id": str(f["id"]), "name": f["name"], "type": f["type"]} for f in call.conn.execute(
-        "SELECT id, name, type FROM field WHERE datasource = ? ORDER BY id", (row["id"],))]
+    fields = [{"id": str(f["id"]), "name": f["name"], "type": f["type"], "label": f["label"]}
+              for f in call.conn.execute("SELECT id, name, type, label FROM field "
+                                         "WHERE datasource = ? ORDER BY id", (row["id"],))]
     recipients = call.conn.execute("SELECT count(*) FROM recipient WHERE datasource = ? "
                                    "AND status = 'active'", (row["id"],)).fetchone()[0]
     return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
@@ -4769,7 +4807,8 @@ def _datasource_record(call, row):
             "recipients": str(recipients), "created": row["created"],
             "deleted": str(row["deleted"]), "signup": str(row["signup"]),
             "doubleoptin": str(row["doubleoptin"]),
-            **{name: None if row[name] is None else str(row[name]) for name in _SIGNUP_REFS}}
+            **{name: None if row[name] is None else str(row[name]) for name in _SIGNUP_REFS},
+            "language": row["language"]}
 
 
 #: The sign-up settings that name another record of the account.
@@ -4800,12 +4839,19 @@ def _datasource_values(call, row):
 
 
 def _checked_fields(fields):
-    """A create/change ``fields`` list as ``[(name, type)]``, refusing bad ones."""
+    """A create/change ``fields`` list as ``[(name, type, label or None)]``,
+    refusing bad ones."""
     checked = {}
     for index, item in enumerate(fields):
-        if not isinstance(item, dict) or set(item) - {"name", "type"} or "name" not in item:
-            raise InvalidParameter(f"fields[{index}] must be an object with 'name' and 'type'.",
-                                   field="fields")
+        if not isinstance(item, dict) or set(item) - {"name", "type", "label"} \
+                or "name" not in item:
+            raise InvalidParameter(f"fields[{index}] must be an object with 'name', 'type' and "
+                                   "an optional 'label'.", field="fields")
+        label = item.get("label")
+        if "label" in item and not (isinstance(label, str) and len(label) <= 200
+                                    and not any(c in label for c in "\r\n\x00")):
+            raise InvalidParameter(f"fields[{index}].label must be one line of at most 200 "
+                                   "characters.", field="fields")
         name = item["name"]
         kind = item.get("type", "text")
         if not _valid_field_name(name):
@@ -4818,7 +4864,7 @@ def _checked_fields(fields):
         if name.lower() == "email" and kind != "email":
             raise InvalidParameter("The field 'email' always exists, with type email.",
                                    field="fields")
-        checked[name.lower()] = (name, kind)
+        checked[name.lower()] = (name, kind, label and label.strip())
     return list(checked.values())
 
 
@@ -4830,20 +4876,24 @@ def _valid_field_name(name):
 
 def _add_fields(call, datasource):
     """Add the ``fields`` given that the datasource lacks (a new one gets
-    ``email`` first); a known name must keep its type."""
+    ``email`` first); a known name must keep its type, and takes the label
+    given (a label left out stays as it is)."""
     fields = _checked_fields(call.get("fields", []))
     existing = {row["name"].lower(): row["type"] for row in call.conn.execute(
         "SELECT name, type FROM field WHERE datasource = ?", (datasource,))}
     if not existing:
-        fields = [("email", "email")] + fields
-    for name, kind in fields:
+        fields = [("email", "email", None)] + fields
+    for name, kind, label in fields:
         if name.lower() not in existing:
-            call.conn.execute("INSERT INTO field (datasource, name, type) VALUES (?, ?, ?)",
-                              (datasource, name, kind))
+            call.conn.execute("INSERT INTO field (datasource, name, type, label) "
+                              "VALUES (?, ?, ?, ?)", (datasource, name, kind, label or ""))
             existing[name.lower()] = kind  # 'fields' may list 'email' itself
         elif existing[name.lower()] != kind:
             raise Conflict(f"The field '{name}' exists with type {existing[name.lower()]}; "
                            "change its type with the modify operation.", field="fields")
+        elif label is not None:
+            call.conn.execute("UPDATE field SET label = ? WHERE datasource = ? AND name = ?",
+                              (label, datasource, name))
 
 
 #: A field's type, as records answer it.
@@ -4852,27 +4902,33 @@ _FIELD_TYPE = {"type": "string", "enum": list(FIELD_TYPES)}
 DATASOURCE = Resource(
     "datasource", "datasource", _datasource_record,
     columns="name:str description:text origin:import|signup|api signup:flag doubleoptin:flag "
-            "confirmmessage:ref@message welcomemessage:ref@message fromprofile:ref@accountprofile",
+            "confirmmessage:ref@message welcomemessage:ref@message fromprofile:ref@accountprofile "
+            "language:" + "|".join(LANGUAGES),
     required="name",
     extra={"create": "fields:list", "change": "fields:list"}, repeat={"delete": "id!"},
     selectors={"import": "origin = 'import'"}, values=_datasource_values,
     after_create=_add_fields, after_change=_add_fields,
     fields=_record_schema(
         "id owner name description origin fields recipients created deleted signup doubleoptin "
-        "confirmmessage welcomemessage fromprofile",
+        "confirmmessage welcomemessage fromprofile language",
+        language={"type": "string", "enum": list(LANGUAGES)},
         origin={"type": "string", "enum": ["import", "signup", "api"]}, deleted=_FLAG_ANSWER,
         signup=_FLAG_ANSWER, doubleoptin=_FLAG_ANSWER,
         fields={"type": "array", "items": {"$ref": "#/components/schemas/field"}}),
     doc={
         "origin": ("Where the datasource's recipients come from.", "import"),
-        "fields": ("Fields to add, each {name, type}; the email field always exists.",
-                   [{"name": "city", "type": "text"}],
+        "fields": ("Fields to add, each {name, type, label}; the email field always exists. "
+                   "A field that exists keeps its type and takes the label given (shown on "
+                   "the sign-up form instead of its name).",
+                   [{"name": "city", "type": "text", "label": "Your city"}],
                    {"items": {"type": "object", "required": ["name"],
                               "additionalProperties": False, "properties": {
                                   "name": {"type": "string", "pattern":
                                            "^[^{}\\r\\n\\x00]*[^{}\\s\\x00][^{}\\r\\n\\x00]*$",
                                            "maxLength": 200},
-                                  "type": {**_FIELD_TYPE, "default": "text"}}}}),
+                                  "type": {**_FIELD_TYPE, "default": "text"},
+                                  "label": {"type": "string", "maxLength": 200,
+                                            "pattern": "^[^\\r\\n\\x00]*$"}}}}),
         "signup": ("1: the datasource takes public sign-ups (needs a fromprofile).", "0"),
         "doubleoptin": ("1: a sign-up stays unconfirmed until the link in its confirmation email "
                         "is followed (the default).", "1"),
@@ -4880,7 +4936,10 @@ DATASOURCE = Resource(
                            "{{confirm_url}}. Empty: a built-in plain email.", ""),
         "welcomemessage": ("The message sent once a sign-up is active. Empty: none.", ""),
         "fromprofile": ("The sender profile that confirmation and welcome emails go out as.",
-                        1)})
+                        1),
+        "language": ("The language of the sign-up form, the confirm, unsubscribe and "
+                     "preference pages and the built-in confirmation email: "
+                     + ", ".join(LANGUAGES) + " (default en).", "en")})
 
 
 _DATETIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M")
@@ -5164,13 +5223,13 @@ RECIPIENT = Resource("recipient", "recipient", _recipient_record,
 
 def _field_record(call, row):
     return {"id": str(row["id"]), "datasource": str(row["datasource"]), "name": row["name"],
-            "type": row["type"]}
+            "type": row["type"], "label": row["label"]}
 
 
 #: A datasource's field, named in paths by its id or its name (without case).
 FIELD = Resource("field", "field", _field_record, parent=DATASOURCE, parent_key="datasource",
                  by_name=True,
-                 fields=_record_schema("id name type", id={"type": "string"},
+                 fields=_record_schema("id name type label", id={"type": "string"},
                                        name={"type": "string"}, type=_FIELD_TYPE))
 
 
@@ -6380,6 +6439,7 @@ def _campaign_record(call, row):
             "defaulttemplate": row["defaulttemplate"], "created": row["created"],
             "deleted": str(row["deleted"]), "thumbnail": row["thumbnail"],
             "archiveid": str(row["id"]), "tracking": str(row["tracking"]),
+            "public": str(row["public"]),
             **{name: str(row[name]) for name in _TEST_SETTINGS}}
 
 
@@ -6435,7 +6495,7 @@ CAMPAIGN = Resource(
     "campaign", "campaign", _campaign_record,
     columns="name:str accountprofile:int@accountprofile? description:text enabled:flag "
             "archiveemail:email defaulttemplate:scalar@template thumbnail:str tracking:flag "
-            "testsize:int testmetric:opens|clicks testwait:int",
+            "testsize:int testmetric:opens|clicks testwait:int public:flag",
     required="name accountprofile",
     extra={"change": "scheduled:flag"}, values=_campaign_values,
     select="*, EXISTS (SELECT 1 FROM batch WHERE batch.campaign = campaign.id "
@@ -6445,9 +6505,10 @@ CAMPAIGN = Resource(
     answer="emt_campaign", one_as_list=True,
     fields=_record_schema(
         "id owner accountprofile name description enabled scheduled archiveemail "
-        "defaulttemplate created deleted thumbnail archiveid tracking testsize testmetric testwait",
+        "defaulttemplate created deleted thumbnail archiveid tracking testsize testmetric testwait public",
         enabled=_FLAG_ANSWER, scheduled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
-        tracking=_FLAG_ANSWER, testmetric={"type": "string", "enum": ["opens", "clicks"]}),
+        tracking=_FLAG_ANSWER, public=_FLAG_ANSWER,
+        testmetric={"type": "string", "enum": ["opens", "clicks"]}),
     doc={
         "accountprofile": ("The id of the sender profile the campaign sends with.", 1),
         "enabled": ("1 when the campaign may send.", "1"),
@@ -6477,7 +6538,9 @@ CAMPAIGN = Resource(
                          {"type": "integer", "minimum": 60, "maximum": 604800},
                          {"type": "string", "pattern": "^([6-9][0-9]|[1-9][0-9]{2,4}|[1-5][0-9]{5}"
                                                        "|60[0-3][0-9]{3}|604[0-7][0-9]{2}|604800)$"}
-                     ]})})
+                     ]}),
+        "public": ("1: the campaign's sent batches are in the public archive of each sign-up "
+                   "datasource they mailed (/archive/{datasource}), and its feed.", "0")})
 
 
 # ---------------------------------------------------------------------------
@@ -6995,7 +7058,7 @@ h1{{font-size:1.5em;margin:.2em 0 .8em}} h2{{font-size:1.15em;margin:1.6em 0 .5e
 .figures div{{background:#f6f8fa;border-radius:8px;padding:.6em .8em}}
 .figures dt{{font-size:.85em;color:#57606a}} .figures dd{{margin:0;font-size:1.5em;font-weight:600}}
 figure{{margin:0}} svg{{width:100%;height:auto;display:block}}
-.chart{{overflow-x:auto}} .chart svg{{min-width:640px}}
+@media (max-width:40em){{.chart svg{{font-size:24px}} .chart .alt{{display:none}}}}
 .legend{{font-size:.9em;color:#57606a}} .key{{display:inline-block;width:.8em;height:.8em;margin:0 .3em 0 1em;border-radius:2px}}
 table{{border-collapse:collapse;width:100%;font-size:.95em}}
 th,td{{text-align:left;padding:.35em .5em;border-bottom:1px solid #d0d7de}} td.n,th.n{{text-align:right}}
@@ -7058,19 +7121,20 @@ def _timeline_buckets(timeline):
 def _chart(unit, buckets):
     if not buckets:
         return '<p>No opens or clicks yet.</p>'
-    width, height, left, bottom, top = 720, 240, 44, 28, 12
+    width, height, left, bottom, top = 720, 240, 64, 34, 20
     plot_width, plot_height = width - left - 8, height - bottom - top
     peak = max(max(opens, clicks) for _, opens, clicks in buckets) or 1
     step = plot_width / len(buckets)
-    bar = max(step * 0.4, 0.5)
+    bar = min(max(step * 0.4, 0.5), 40)   # a few buckets: bars, not walls
 
     def y(value):
         return top + plot_height - plot_height * value / peak
 
     label_every = max(1, round(len(buckets) / 6))
     parts = [
-        # On a phone the chart scrolls sideways rather than shrink its labels away.
-        f'<figure><div class="chart" tabindex="0">'
+        # On a phone the chart is as wide as the screen: its words are drawn
+        # larger (the CSS) and every other time label is left out.
+        f'<figure><div class="chart">'
         f'<svg viewBox="0 0 {width} {height}" role="img" aria-labelledby="chart-title '
         f'chart-desc" xmlns="http://www.w3.org/2000/svg" font-size="11" '
         f'font-family="system-ui,sans-serif">',
@@ -7095,7 +7159,8 @@ def _chart(unit, buckets):
             f'height="{y(0) - y(clicks):.1f}" fill="#d4700a"/>')
         if index % label_every == 0:
             text = label[5:] if unit == "hour" else label  # the year is in the table
-            parts.append(f'<text x="{left + (index + 0.5) * step:.1f}" y="{height - 8}" '
+            alt = ' class="alt"' if index // label_every % 2 else ""
+            parts.append(f'<text{alt} x="{left + (index + 0.5) * step:.1f}" y="{height - 6}" '
                          f'text-anchor="middle" fill="#57606a">{text}</text>')
         parts.append("</g>")
     parts.append('</svg></div><figcaption class="legend"><span class="key" style="background:#2f81f7">'
@@ -7326,9 +7391,11 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
         _log.warning("batch %s cancelled: " + why, batch["id"], campaign["id"])
         return
     tests = []
+    drawn = set()   # the datasources of its segments, for their public archives
     for link in _campaign_links(conn, campaign["id"]):
         segment = conn.execute("SELECT * FROM segment WHERE id = ? AND owner = ?",
                                (link["segment"], account)).fetchone()
+        drawn.update(int(datasource) for datasource in json.loads(segment["datasources"]))
         versions = _versions(link)
         # A tested link's recipients all wait at first (after priority and
         # one email an address, like any link's); _start_test() picks the test.
@@ -7339,6 +7406,8 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
             _archive_message(conn, campaign, batch, version, template)
         if len(versions) > 1:
             tests.append((link["id"], versions))
+    conn.executemany("INSERT INTO batch_datasource (datasource, batch) VALUES (?, ?) "
+                     "ON CONFLICT DO NOTHING", [(ds, batch["id"]) for ds in sorted(drawn)])
     if campaign["tracking"]:
         _store_links(conn, batch["id"])
     queued = conn.execute("SELECT count(*) FROM outbox WHERE batch = ? AND kind = 'campaign'",
@@ -7616,48 +7685,79 @@ _BATCH_SCHEMA = _record_schema(
                                    decided={"type": "string", "enum": ["", "auto", "manual"]})}}},
     **_STATISTICS_SCHEMAS)
 
-BATCH = Resource("batcharchive", "batch", lambda call, row: _batch_record(call.conn, row),
+#: How long a report link (an archive's or batch archive's reporturl) shows
+#: its statistics page without a key.
+_REPORT_DAYS = 30
+#: The record of a batch as the archives answer it: with its report link.
+_REPORTED_BATCH = {**_BATCH_SCHEMA, "required": [*_BATCH_SCHEMA["required"], "reporturl"],
+                   "properties": {**_BATCH_SCHEMA["properties"],
+                                  "reporturl": {"type": "string", "format": "uri"}}}
+
+
+def _report_url(call, campaign, batch=0):
+    """The signed, read-only link to the statistics page of a campaign (batch
+    0) or of one of its batches, for a person without a key (GET
+    /v1/report/{token}): it works for _REPORT_DAYS days."""
+    token = sign_token(call.service.secret, "report", campaign, batch, _today() + _REPORT_DAYS)
+    return f"{call.base_url}/v1/report/{token}"
+
+
+BATCH = Resource("batcharchive", "batch", lambda call, row: {
+                     **_batch_record(call.conn, row),
+                     "reporturl": _report_url(call, row["campaign"], row["id"])},
                  parent=CAMPAIGN, parent_key="campaign", label="batch",
-                 fields={**_BATCH_SCHEMA,
-                         "required": [*_BATCH_SCHEMA["required"], "messages"],
-                         "properties": {**_BATCH_SCHEMA["properties"], "messages": {
+                 fields={**_REPORTED_BATCH,
+                         "required": [*_REPORTED_BATCH["required"], "messages"],
+                         "properties": {**_REPORTED_BATCH["properties"], "messages": {
                              "type": "array",
                              "items": _record_schema("message subject html text")}}})
 
 
 def _archive_get(call, child_id):
-    """The campaign's archive: its batches and the statistics of them all (a
-    page with a chart for a browser)."""
+    """The campaign's archive: its batches and the statistics of them all,
+    each with its report link (a page with a chart for a browser)."""
     # A campaign has one archive, whose id (archiveid) is the campaign's.
     parent_id = call.parent["id"]
     if child_id not in (0, parent_id):
         raise NotFound(f"Campaign {parent_id} has no archive {child_id}; its archiveid is "
                        f"{parent_id}.")
+    if _prefers_html(_request_header("Accept")):
+        return _statistics_page(_campaign_archive(call.conn, parent_id),
+                                f"{call.parent['name']}: what happened")
+    record = _campaign_archive(call.conn, parent_id)
+    for batch in record["batches"]:
+        batch["reporturl"] = _report_url(call, parent_id, int(batch["id"]))
+    return {"archive": {**record, "reporturl": _report_url(call, parent_id)}}
+
+
+def _statistics_page(record, title):
+    """An archive or batch archive record as the page with its chart."""
+    return bottle.HTTPResponse(_archive_page(record, title), 200, {
+        "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
+
+
+def _campaign_archive(conn, parent_id):
+    """The archive record of campaign ``parent_id`` (without links)."""
     # Per batch, then summed: an email belongs to one batch.  Events of the
     # campaign outside its batches (an unsubscribe by a first-release link)
     # count for the whole campaign only.
     total = {name: 0 for name in _STATISTICS}
     total.update(links={}, timeline={})
     batches = []
-    for row in call.conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id",
-                                 (parent_id,)).fetchall():
-        figures = _batch_statistics(call.conn, row)
-        batches.append(_batch_record(call.conn, row, with_messages=False, figures=figures))
+    for row in conn.execute("SELECT * FROM batch WHERE campaign = ? ORDER BY id",
+                            (parent_id,)).fetchall():
+        figures = _batch_statistics(conn, row)
+        batches.append(_batch_record(conn, row, with_messages=False, figures=figures))
         for name in _STATISTICS:
             total[name] += figures[name]
         for key in ("links", "timeline"):
             for name, pair in figures[key].items():
                 total[key][name] = [a + b for a, b in zip(total[key].get(name, (0, 0)), pair)]
-    for name, count in _event_figures(call.conn, "campaign = ? AND batch IS NULL",
+    for name, count in _event_figures(conn, "campaign = ? AND batch IS NULL",
                                       (parent_id,)).items():
         total[name] += count
-    record = {"id": str(parent_id), "campaign": str(parent_id), "batches": batches,
-              **_statistics_record(total)}
-    if _prefers_html(_request_header("Accept")):
-        return bottle.HTTPResponse(
-            _archive_page(record, f"{call.parent['name']}: what happened"), 200,
-            {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
-    return {"archive": record}
+    return {"id": str(parent_id), "campaign": str(parent_id), "batches": batches,
+            **_statistics_record(total)}
 
 
 # Preview and test sends: an email built by delivery's own code -----------------
@@ -7882,42 +7982,385 @@ TRANSACTIONAL = Resource(
 
 
 # ---------------------------------------------------------------------------
-# Public pages: unsubscribe, sign-up and confirm (signed tokens, not stored;
-# no key needed)
+# Public pages: the words of every page in each language, unsubscribe and the
+# preference centre, sign-up and confirm, the public archive, report links
+# (signed tokens, not stored; no key needed)
 # ---------------------------------------------------------------------------
 
 
 
-#: Every page a person opens from an email or a form (unsubscribe, sign-up, confirm,
-#: a bad link): one small, readable shell.
+#: Every word of the pages people see (unsubscribe and preferences, sign-up,
+#: confirm, the public archive, their error pages) and of the built-in
+#: confirmation email, in every language of LANGUAGES: key -> {language: text}.
+#: ``{name}``-style holes take values; tests/test_pages.py checks that every
+#: language has every key with the same holes.
+_STRINGS = {
+    "bad_link_title": {
+        "en": "This link does not work", "de": "Dieser Link funktioniert nicht",
+        "fr": "Ce lien ne fonctionne pas", "es": "Este enlace no funciona",
+        "nl": "Deze link werkt niet"},
+    "bad_link": {
+        "en": "This link is not valid: it may be cut short or changed. Copy the whole link from "
+              "the email into the address bar, or use the link of a newer email.",
+        "de": "Dieser Link ist ungültig: Er wurde vielleicht gekürzt oder verändert. Kopieren Sie "
+              "den ganzen Link aus der E-Mail in die Adresszeile oder nutzen Sie den Link einer "
+              "neueren E-Mail.",
+        "fr": "Ce lien n'est pas valide : il a peut-être été coupé ou modifié. Copiez le lien "
+              "entier de l'e-mail dans la barre d'adresse, ou utilisez le lien d'un e-mail plus "
+              "récent.",
+        "es": "Este enlace no es válido: puede estar cortado o modificado. Copie el enlace "
+              "completo del correo en la barra de direcciones o use el enlace de un correo más "
+              "reciente.",
+        "nl": "Deze link is ongeldig: hij is misschien ingekort of gewijzigd. Kopieer de hele link "
+              "uit de e-mail naar de adresbalk, of gebruik de link uit een nieuwere e-mail."},
+    # Unsubscribe and the preference centre
+    "unsubscribe_title": {"en": "Unsubscribe", "de": "Abmelden", "fr": "Se désabonner",
+                          "es": "Darse de baja", "nl": "Afmelden"},
+    "unsubscribe_ask": {
+        "en": "Stop sending emails to {address}?", "de": "Keine E-Mails mehr an {address} senden?",
+        "fr": "Ne plus envoyer d'e-mails à {address} ?",
+        "es": "¿Dejar de enviar correos a {address}?",
+        "nl": "Geen e-mails meer sturen naar {address}?"},
+    "unsubscribe_all": {
+        "en": "Unsubscribe from all emails", "de": "Von allen E-Mails abmelden",
+        "fr": "Se désabonner de tous les e-mails", "es": "Darse de baja de todos los correos",
+        "nl": "Afmelden voor alle e-mails"},
+    "unsubscribed_title": {"en": "Unsubscribed", "de": "Abgemeldet", "fr": "Désabonnement fait",
+                           "es": "Baja hecha", "nl": "Afgemeld"},
+    "unsubscribed": {
+        "en": "{address} will receive no more of these emails.",
+        "de": "{address} erhält keine dieser E-Mails mehr.",
+        "fr": "{address} ne recevra plus ces e-mails.",
+        "es": "{address} no recibirá más estos correos.",
+        "nl": "{address} ontvangt deze e-mails niet meer."},
+    "already_title": {"en": "Already unsubscribed", "de": "Bereits abgemeldet",
+                      "fr": "Déjà désabonné", "es": "Ya se dio de baja", "nl": "Al afgemeld"},
+    "already": {
+        "en": "{address} will receive no more of these emails since an earlier visit: nothing "
+              "more to do.",
+        "de": "{address} erhält seit einem früheren Besuch keine dieser E-Mails mehr: Es ist "
+              "nichts mehr zu tun.",
+        "fr": "{address} ne reçoit plus ces e-mails depuis une visite précédente : il n'y a plus "
+              "rien à faire.",
+        "es": "{address} ya no recibe estos correos desde una visita anterior: no hay nada más "
+              "que hacer.",
+        "nl": "{address} ontvangt deze e-mails sinds een eerder bezoek niet meer: u hoeft niets "
+              "meer te doen."},
+    "lists_title": {"en": "Your lists", "de": "Ihre Listen", "fr": "Vos listes",
+                    "es": "Sus listas", "nl": "Uw lijsten"},
+    "lists_intro": {
+        "en": "Or leave one list and stay on the others:",
+        "de": "Oder verlassen Sie eine Liste und bleiben Sie auf den anderen:",
+        "fr": "Ou quittez une liste et restez sur les autres :",
+        "es": "O salga de una lista y siga en las demás:",
+        "nl": "Of verlaat één lijst en blijf op de andere:"},
+    "leave": {"en": "Leave this list", "de": "Diese Liste verlassen", "fr": "Quitter cette liste",
+              "es": "Salir de esta lista", "nl": "Deze lijst verlaten"},
+    "left": {"en": "You left {name}.", "de": "Sie haben {name} verlassen.",
+             "fr": "Vous avez quitté {name}.", "es": "Ha salido de {name}.",
+             "nl": "U hebt {name} verlaten."},
+    "status_active": {"en": "Subscribed", "de": "Abonniert", "fr": "Abonné", "es": "Suscrito",
+                      "nl": "Ingeschreven"},
+    "status_unconfirmed": {"en": "Not confirmed yet", "de": "Noch nicht bestätigt",
+                           "fr": "Pas encore confirmé", "es": "Aún sin confirmar",
+                           "nl": "Nog niet bevestigd"},
+    "status_unsubscribed": {"en": "Left", "de": "Verlassen", "fr": "Quittée", "es": "Abandonada",
+                            "nl": "Verlaten"},
+    "status_bounced": {"en": "Emails do not arrive", "de": "E-Mails kommen nicht an",
+                       "fr": "Les e-mails n'arrivent pas", "es": "Los correos no llegan",
+                       "nl": "E-mails komen niet aan"},
+    "status_complained": {"en": "Reported as spam", "de": "Als Spam gemeldet",
+                          "fr": "Signalé comme spam", "es": "Marcado como spam",
+                          "nl": "Als spam gemeld"},
+    # The sign-up form
+    "form_gone_title": {
+        "en": "Sign-up form not found", "de": "Anmeldeformular nicht gefunden",
+        "fr": "Formulaire d'inscription introuvable",
+        "es": "Formulario de suscripción no encontrado", "nl": "Aanmeldformulier niet gevonden"},
+    "form_gone": {
+        "en": "This sign-up form does not exist, or the list no longer takes sign-ups.",
+        "de": "Dieses Anmeldeformular gibt es nicht, oder die Liste nimmt keine Anmeldungen mehr "
+              "an.",
+        "fr": "Ce formulaire d'inscription n'existe pas, ou la liste n'accepte plus "
+              "d'inscriptions.",
+        "es": "Este formulario de suscripción no existe, o la lista ya no acepta suscripciones.",
+        "nl": "Dit aanmeldformulier bestaat niet, of de lijst neemt geen aanmeldingen meer aan."},
+    "subscribe_title": {"en": "Subscribe to {name}", "de": "{name} abonnieren",
+                        "fr": "S'abonner à {name}", "es": "Suscribirse a {name}",
+                        "nl": "Abonneren op {name}"},
+    "email_label": {"en": "Email address", "de": "E-Mail-Adresse", "fr": "Adresse e-mail",
+                    "es": "Correo electrónico", "nl": "E-mailadres"},
+    "optional": {"en": "(optional)", "de": "(optional)", "fr": "(facultatif)",
+                 "es": "(opcional)", "nl": "(optioneel)"},
+    "honeypot": {"en": "Leave this empty", "de": "Dieses Feld leer lassen",
+                 "fr": "Laissez ce champ vide", "es": "Deje esto vacío", "nl": "Laat dit leeg"},
+    "subscribe": {"en": "Subscribe", "de": "Abonnieren", "fr": "S'abonner",
+                  "es": "Suscribirse", "nl": "Abonneren"},
+    "wait_title": {"en": "Please wait a minute", "de": "Bitte warten Sie eine Minute",
+                   "fr": "Veuillez patienter une minute", "es": "Espere un minuto, por favor",
+                   "nl": "Wacht even een minuut"},
+    "too_many": {
+        "en": "Too many sign-ups from your network; try again in a minute.",
+        "de": "Zu viele Anmeldungen aus Ihrem Netz; versuchen Sie es in einer Minute wieder.",
+        "fr": "Trop d'inscriptions depuis votre réseau ; réessayez dans une minute.",
+        "es": "Demasiadas suscripciones desde su red; inténtelo de nuevo en un minuto.",
+        "nl": "Te veel aanmeldingen vanaf uw netwerk; probeer het over een minuut opnieuw."},
+    "email_missing": {"en": "Give an email address.", "de": "Geben Sie eine E-Mail-Adresse an.",
+                      "fr": "Indiquez une adresse e-mail.",
+                      "es": "Indique una dirección de correo.", "nl": "Vul een e-mailadres in."},
+    "email_invalid": {
+        "en": "This is not a valid email address.", "de": "Das ist keine gültige E-Mail-Adresse.",
+        "fr": "Cette adresse e-mail n'est pas valide.",
+        "es": "Esta dirección de correo no es válida.", "nl": "Dit is geen geldig e-mailadres."},
+    "field_invalid": {
+        "en": "Check {label}: this value cannot be used.",
+        "de": "Prüfen Sie {label}: Dieser Wert ist nicht möglich.",
+        "fr": "Vérifiez {label} : cette valeur n'est pas acceptée.",
+        "es": "Revise {label}: este valor no es válido.",
+        "nl": "Controleer {label}: deze waarde kan niet worden gebruikt."},
+    "form_invalid": {
+        "en": "The form could not be read; please fill it in again.",
+        "de": "Das Formular konnte nicht gelesen werden; bitte füllen Sie es erneut aus.",
+        "fr": "Le formulaire n'a pas pu être lu ; veuillez le remplir à nouveau.",
+        "es": "No se pudo leer el formulario; rellénelo de nuevo.",
+        "nl": "Het formulier kon niet worden gelezen; vul het opnieuw in."},
+    "pending_title": {
+        "en": "Almost done: check your email", "de": "Fast geschafft: Sehen Sie in Ihre E-Mails",
+        "fr": "Presque terminé : consultez vos e-mails", "es": "Casi listo: revise su correo",
+        "nl": "Bijna klaar: kijk in uw e-mail"},
+    "pending": {
+        "en": "To finish subscribing to {name}, open the link in the email we just sent you.",
+        "de": "Um das Abonnement von {name} abzuschließen, öffnen Sie den Link in der E-Mail, "
+              "die wir Ihnen gerade geschickt haben.",
+        "fr": "Pour terminer votre inscription à {name}, ouvrez le lien de l'e-mail que nous "
+              "venons de vous envoyer.",
+        "es": "Para terminar su suscripción a {name}, abra el enlace del correo que le acabamos "
+              "de enviar.",
+        "nl": "Open de link in de e-mail die we u net hebben gestuurd om uw aanmelding voor "
+              "{name} af te ronden."},
+    "pending_help": {
+        "en": "No email after a few minutes? Look in your spam folder, or check the address and "
+              "sign up again. Nothing is sent to you until you confirm.",
+        "de": "Nach ein paar Minuten keine E-Mail? Sehen Sie im Spam-Ordner nach, oder prüfen "
+              "Sie die Adresse und melden Sie sich noch einmal an. Bis Sie bestätigen, schicken "
+              "wir Ihnen nichts.",
+        "fr": "Pas d'e-mail après quelques minutes ? Regardez dans vos indésirables, ou vérifiez "
+              "l'adresse et inscrivez-vous à nouveau. Rien ne vous est envoyé avant votre "
+              "confirmation.",
+        "es": "¿Ningún correo tras unos minutos? Mire en la carpeta de spam, o revise la "
+              "dirección y suscríbase de nuevo. No le enviamos nada hasta que confirme.",
+        "nl": "Na een paar minuten geen e-mail? Kijk in uw spammap, of controleer het adres en "
+              "meld u opnieuw aan. U krijgt niets tot u bevestigt."},
+    "subscribed_title": {"en": "You are subscribed", "de": "Sie sind angemeldet",
+                         "fr": "Vous êtes abonné", "es": "Está suscrito",
+                         "nl": "U bent ingeschreven"},
+    "thanks": {"en": "Thank you: you are on the list {name}.",
+               "de": "Danke: Sie stehen auf der Liste {name}.",
+               "fr": "Merci : vous êtes inscrit à la liste {name}.",
+               "es": "Gracias: está en la lista {name}.",
+               "nl": "Bedankt: u staat op de lijst {name}."},
+    "every_email": {
+        "en": "Every email we send has a link to unsubscribe.",
+        "de": "Jede E-Mail, die wir senden, hat einen Link zum Abmelden.",
+        "fr": "Chaque e-mail que nous envoyons contient un lien de désabonnement.",
+        "es": "Cada correo que enviamos tiene un enlace para darse de baja.",
+        "nl": "Elke e-mail die we sturen heeft een link om u af te melden."},
+    # Confirming a sign-up
+    "confirm_invalid_title": {"en": "This link is not valid", "de": "Dieser Link ist ungültig",
+                              "fr": "Ce lien n'est pas valide", "es": "Este enlace no es válido",
+                              "nl": "Deze link is ongeldig"},
+    "confirm_invalid": {
+        "en": "This confirmation link is not valid. Copy the whole link from the email, or sign "
+              "up again to get a new one.",
+        "de": "Dieser Bestätigungslink ist ungültig. Kopieren Sie den ganzen Link aus der E-Mail, "
+              "oder melden Sie sich erneut an, um einen neuen zu erhalten.",
+        "fr": "Ce lien de confirmation n'est pas valide. Copiez le lien entier de l'e-mail, ou "
+              "inscrivez-vous à nouveau pour en recevoir un nouveau.",
+        "es": "Este enlace de confirmación no es válido. Copie el enlace completo del correo, o "
+              "suscríbase de nuevo para recibir uno nuevo.",
+        "nl": "Deze bevestigingslink is ongeldig. Kopieer de hele link uit de e-mail, of meld u "
+              "opnieuw aan voor een nieuwe."},
+    "expired_title": {"en": "This link has expired", "de": "Dieser Link ist abgelaufen",
+                      "fr": "Ce lien a expiré", "es": "Este enlace ha caducado",
+                      "nl": "Deze link is verlopen"},
+    "expired": {
+        "en": "Confirmation links work for {days} days, and this one is older or no longer "
+              "needed. Sign up again to get a new one.",
+        "de": "Bestätigungslinks gelten {days} Tage, und dieser ist älter oder wird nicht mehr "
+              "gebraucht. Melden Sie sich erneut an, um einen neuen zu erhalten.",
+        "fr": "Les liens de confirmation valent {days} jours, et celui-ci est plus ancien ou "
+              "n'est plus utile. Inscrivez-vous à nouveau pour en recevoir un nouveau.",
+        "es": "Los enlaces de confirmación valen {days} días, y este es más antiguo o ya no hace "
+              "falta. Suscríbase de nuevo para recibir uno nuevo.",
+        "nl": "Bevestigingslinks werken {days} dagen, en deze is ouder of niet meer nodig. Meld "
+              "u opnieuw aan voor een nieuwe."},
+    "confirmed_already": {
+        "en": "Your subscription to {name} is confirmed. There is nothing more to do.",
+        "de": "Ihr Abonnement von {name} ist bestätigt. Es ist nichts mehr zu tun.",
+        "fr": "Votre inscription à {name} est confirmée. Il n'y a plus rien à faire.",
+        "es": "Su suscripción a {name} está confirmada. No hay nada más que hacer.",
+        "nl": "Uw aanmelding voor {name} is bevestigd. U hoeft niets meer te doen."},
+    "used_title": {"en": "This link is no longer valid", "de": "Dieser Link ist nicht mehr gültig",
+                   "fr": "Ce lien n'est plus valide", "es": "Este enlace ya no es válido",
+                   "nl": "Deze link is niet meer geldig"},
+    "used": {
+        "en": "This confirmation link has been used already. To subscribe again, use the sign-up "
+              "form once more.",
+        "de": "Dieser Bestätigungslink wurde bereits benutzt. Um sich erneut anzumelden, nutzen "
+              "Sie noch einmal das Anmeldeformular.",
+        "fr": "Ce lien de confirmation a déjà été utilisé. Pour vous réinscrire, utilisez à "
+              "nouveau le formulaire d'inscription.",
+        "es": "Este enlace de confirmación ya se ha usado. Para suscribirse de nuevo, use otra "
+              "vez el formulario de suscripción.",
+        "nl": "Deze bevestigingslink is al gebruikt. Gebruik het aanmeldformulier opnieuw om u "
+              "weer aan te melden."},
+    "confirm_title": {"en": "Confirm your subscription", "de": "Bestätigen Sie Ihr Abonnement",
+                      "fr": "Confirmez votre inscription", "es": "Confirme su suscripción",
+                      "nl": "Bevestig uw aanmelding"},
+    "confirm_ask": {
+        "en": "Please confirm that you want to receive the emails of {name}.",
+        "de": "Bitte bestätigen Sie, dass Sie die E-Mails von {name} erhalten möchten.",
+        "fr": "Veuillez confirmer que vous souhaitez recevoir les e-mails de {name}.",
+        "es": "Confirme que desea recibir los correos de {name}.",
+        "nl": "Bevestig dat u de e-mails van {name} wilt ontvangen."},
+    "confirm_button": {"en": "Yes, subscribe me", "de": "Ja, anmelden",
+                       "fr": "Oui, inscrivez-moi", "es": "Sí, suscribirme",
+                       "nl": "Ja, schrijf me in"},
+    "confirmed_title": {"en": "Subscription confirmed", "de": "Abonnement bestätigt",
+                        "fr": "Inscription confirmée", "es": "Suscripción confirmada",
+                        "nl": "Aanmelding bevestigd"},
+    # The built-in confirmation email
+    "mail_subject": {"en": "Confirm your subscription to {name}",
+                     "de": "Bestätigen Sie Ihr Abonnement von {name}",
+                     "fr": "Confirmez votre inscription à {name}",
+                     "es": "Confirme su suscripción a {name}",
+                     "nl": "Bevestig uw aanmelding voor {name}"},
+    "mail_hello": {"en": "Hello,", "de": "Hallo,", "fr": "Bonjour,", "es": "Hola:",
+                   "nl": "Hallo,"},
+    "mail_asked": {
+        "en": "someone, hopefully you, asked to receive the emails of {name} at this address.",
+        "de": "jemand, hoffentlich Sie, möchte die E-Mails von {name} an diese Adresse erhalten.",
+        "fr": "quelqu'un, vous sans doute, a demandé à recevoir les e-mails de {name} à cette "
+              "adresse.",
+        "es": "alguien, esperamos que usted, pidió recibir los correos de {name} en esta "
+              "dirección.",
+        "nl": "iemand, hopelijk u, heeft gevraagd de e-mails van {name} op dit adres te "
+              "ontvangen."},
+    "mail_open": {
+        "en": "To confirm, open this link and press the button:",
+        "de": "Zum Bestätigen öffnen Sie diesen Link und drücken Sie den Knopf:",
+        "fr": "Pour confirmer, ouvrez ce lien et appuyez sur le bouton :",
+        "es": "Para confirmar, abra este enlace y pulse el botón:",
+        "nl": "Open deze link en druk op de knop om te bevestigen:"},
+    "mail_note": {
+        "en": "The link works for {days} days. If you did not ask for this, ignore this email: "
+              "nothing more will be sent to you.",
+        "de": "Der Link gilt {days} Tage. Wenn Sie das nicht wollten, ignorieren Sie diese "
+              "E-Mail: Wir schicken Ihnen nichts weiter.",
+        "fr": "Le lien est valable {days} jours. Si vous n'avez rien demandé, ignorez cet "
+              "e-mail : rien d'autre ne vous sera envoyé.",
+        "es": "El enlace vale {days} días. Si usted no lo pidió, ignore este correo: no se le "
+              "enviará nada más.",
+        "nl": "De link werkt {days} dagen. Hebt u hier niet om gevraagd, negeer deze e-mail dan: "
+              "u krijgt verder niets."},
+    # The public archive
+    "archive_title": {"en": "Archive of {name}", "de": "Archiv von {name}",
+                      "fr": "Archives de {name}", "es": "Archivo de {name}",
+                      "nl": "Archief van {name}"},
+    "archive_gone_title": {"en": "No archive here", "de": "Hier gibt es kein Archiv",
+                           "fr": "Pas d'archives ici", "es": "Aquí no hay archivo",
+                           "nl": "Hier is geen archief"},
+    "archive_gone": {
+        "en": "This list has no public archive, or the email is not in it.",
+        "de": "Diese Liste hat kein öffentliches Archiv, oder die E-Mail ist nicht darin.",
+        "fr": "Cette liste n'a pas d'archives publiques, ou l'e-mail n'y figure pas.",
+        "es": "Esta lista no tiene archivo público, o el correo no está en él.",
+        "nl": "Deze lijst heeft geen openbaar archief, of de e-mail staat er niet in."},
+    "archive_sent": {"en": "Sent {date}", "de": "Gesendet am {date}", "fr": "Envoyé le {date}",
+                     "es": "Enviado el {date}", "nl": "Verzonden op {date}"},
+    "archive_feed": {"en": "Feed (Atom)", "de": "Feed (Atom)", "fr": "Flux (Atom)",
+                     "es": "Canal (Atom)", "nl": "Feed (Atom)"},
+    "archive_all": {"en": "All emails of {name}", "de": "Alle E-Mails von {name}",
+                    "fr": "Tous les e-mails de {name}", "es": "Todos los correos de {name}",
+                    "nl": "Alle e-mails van {name}"},
+    "report_expired": {
+        "en": "Report links work for {days} days, and this one is older. Ask whoever sent it "
+              "for a new one.",
+        "de": "Berichtslinks gelten {days} Tage, und dieser ist älter. Bitten Sie den Absender "
+              "um einen neuen.",
+        "fr": "Les liens de rapport valent {days} jours, et celui-ci est plus ancien. Demandez-en "
+              "un nouveau à la personne qui vous l'a envoyé.",
+        "es": "Los enlaces de informe valen {days} días, y este es más antiguo. Pida uno nuevo a "
+              "quien se lo envió.",
+        "nl": "Rapportlinks werken {days} dagen, en deze is ouder. Vraag de afzender om een "
+              "nieuwe."},
+    "archive_email": {"en": "The email", "de": "Die E-Mail", "fr": "L'e-mail", "es": "El correo",
+                      "nl": "De e-mail"},
+}
+
+
+#: Every page a person opens from an email, a form or a shared link (unsubscribe
+#: and preferences, sign-up, confirm, the public archive, a bad link): one small,
+#: readable shell in the language of its list, as wide as a phone allows.
 _PERSON_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
-<title>{title}</title>
-<style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;color:#222}}
-button{{font:inherit;padding:.5em 1.2em;cursor:pointer}}
+<html lang="{lang}"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>{head}
+<style>body{{font:16px/1.5 system-ui,sans-serif;max-width:32em;margin:3em auto;padding:0 1em;
+color:#222;overflow-wrap:anywhere}} body.wide{{max-width:48em;margin-top:1.5em}}
+button{{font:inherit;padding:.5em 1.2em;cursor:pointer}} a{{color:#0b57d0}}
 label{{display:block;font-weight:600;margin-bottom:.2em}}small{{font-weight:normal;color:#555}}
 input:not([type=checkbox]){{font:inherit;width:100%;box-sizing:border-box;padding:.45em;
 border:1px solid #767676;border-radius:4px}}.check label{{display:inline;font-weight:normal}}
-.error{{color:#b00020;font-weight:600}}
+.error{{color:#b00020;font-weight:600}} .notice{{background:#e6f4ea;padding:.5em .8em;border-radius:4px}}
+.lists{{list-style:none;padding:0}} .lists li{{border-top:1px solid #d0d7de;padding:.6em 0;
+display:flex;flex-wrap:wrap;gap:.3em 1em;align-items:center;justify-content:space-between}}
+.lists form{{margin:0}} .status{{color:#555}} .sent{{color:#555;font-size:.9em}}
+.archive{{list-style:none;padding:0}} .archive li{{border-top:1px solid #d0d7de;padding:.6em 0}}
+.archive .sent{{display:block}}
+iframe{{width:100%;height:70vh;min-height:20em;border:1px solid #d0d7de;border-radius:4px;
+box-sizing:border-box}} h1{{line-height:1.2}} h2{{font-size:1.15em;margin-top:1.5em}}
 .trap{{position:absolute;left:-10000px;width:1px;height:1px;overflow:hidden}}</style></head>
-<body><h1>{title}</h1>{body}</body></html>
+<body class="{width}"><main><h1>{title}</h1>{body}</main></body></html>
 """
 
 
-def _page_response(title, body, status=200):
+class _Words:
+    """The words of the public pages and the built-in emails in one language
+    of LANGUAGES (another: English): ``words(key, **values)`` is plain text,
+    ``words.html(key, **markup)`` HTML, its values markup already."""
+
+    def __init__(self, language):
+        self.lang = language if language in LANGUAGES else "en"
+
+    def __call__(self, key, **values):
+        return _STRINGS[key][self.lang].format(**values)
+
+    def html(self, key, **markup):
+        return html.escape(_STRINGS[key][self.lang], quote=False).format(**markup)
+
+
+def _browser_words():
+    """The words of a page whose list is unknown (a garbled link): the first of
+    LANGUAGES the browser's Accept-Language asks for, else English."""
+    asked = sorted(((q, tag.split("-")[0].lower()) for tag, q in
+                    _accept_items(_request_header("Accept-Language"))), reverse=True)
+    return _Words(next((lang for q, lang in asked if q > 0 and lang in LANGUAGES), "en"))
+
+
+def _page_response(title, body, status=200, words=None, wide=False, head=""):
     return bottle.HTTPResponse(
-        _PERSON_PAGE.format(title=html.escape(title), body=body), status=status,
-        headers={"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store",
-                 "X-Robots-Tag": "noindex"})
+        _PERSON_PAGE.format(title=html.escape(title), body=body, head=head,
+                            lang=words.lang if words else "en", width="wide" if wide else ""),
+        status=status, headers={"Content-Type": "text/html; charset=utf-8",
+                                "Cache-Control": "no-store", "X-Robots-Tag": "noindex"})
 
 
-def _bad_link_page(what):
+def _bad_link_page(words):
     """The page for a link of an email that is garbled, forged or no longer
     known: a person followed it, so a page, not the API's envelope."""
-    return _page_response("This link does not work", (
-        f"<p>This {what} link is not valid: it may be cut short or changed. Copy the whole "
-        "link from the email into the address bar, or use the link of a newer email.</p>"),
-        status=404)
+    return _page_response(words("bad_link_title"), f"<p>{words.html('bad_link')}</p>", 404,
+                          words)
 
 
 #: A tracked email: a campaign's (its batch's links) or one of a prepared
@@ -7976,12 +8419,13 @@ _EVENT_EMAIL = ("account", "campaign", "batch", "outbox", "email")
 
 
 def _unsubscribe_subject(call, token):
-    """``(account, address, campaign, batch, outbox)`` of an unsubscribe
-    link, or None: an opaque link names one email; a link of the first
-    release (base64 payload "." mac) names the address and keeps working."""
+    """``(account, address, campaign, batch, outbox, language)`` of an
+    unsubscribe link, or None: an opaque link names one email (``language``
+    is its recipient's list's); a link of the first release (base64 payload
+    "." mac) names the address and keeps working (``language`` None)."""
     if "." in token:
         subject = read_unsubscribe_token(call.service.secret, token)
-        return subject and (*subject, None, None)
+        return subject and (*subject, None, None, None)
     numbers = read_token(call.service.secret, "unsubscribe", token)
     if numbers is not None and len(numbers) == 1:   # an email of a prepared message
         row = call.conn.execute("SELECT account, to_addr FROM outbox WHERE id = ? "
@@ -7991,8 +8435,8 @@ def _unsubscribe_subject(call, token):
         return None
     campaign, recipient = (min(number, MAX_ID) for number in numbers)
     row = call.conn.execute(
-        "SELECT r.email, d.owner FROM recipient r JOIN datasource d ON d.id = r.datasource "
-        "JOIN campaign c ON c.owner = d.owner AND c.id = ? WHERE r.id = ?",
+        "SELECT r.email, d.owner, d.language FROM recipient r JOIN datasource d "
+        "ON d.id = r.datasource JOIN campaign c ON c.owner = d.owner AND c.id = ? WHERE r.id = ?",
         (campaign, recipient)).fetchone()
     if row is None:  # erased since, or never ours
         return None
@@ -8001,46 +8445,122 @@ def _unsubscribe_subject(call, token):
         "SELECT id, batch FROM outbox WHERE kind = 'campaign' AND to_addr = ? "
         "AND batch IN (SELECT id FROM batch WHERE campaign = ?) ORDER BY id DESC LIMIT 1",
         (row["email"], campaign)).fetchone()
-    return (row["owner"], row["email"], campaign, sent and sent["batch"], sent and sent["id"])
+    return (row["owner"], row["email"], campaign, sent and sent["batch"], sent and sent["id"],
+            row["language"])
 
 
-def _unsubscribed_page(address, already=False):
-    return _page_response("Already unsubscribed" if already else "Unsubscribed", (
-        f"<p><strong>{html.escape(address)}</strong> will receive no more of these emails"
-        f"{' since an earlier visit: nothing more to do' if already else ''}.</p>"))
+def _preference_lists(conn, account, address):
+    """The preference centre's lists: each live datasource of ``account``
+    that takes sign-ups and holds ``address`` (id, name, language, the
+    recipient's status), by id."""
+    return conn.execute(
+        "SELECT d.id, d.name, d.language, r.status FROM datasource d JOIN recipient r "
+        "ON r.datasource = d.id WHERE d.owner = ? AND d.signup = 1 AND d.deleted = 0 "
+        "AND r.email = ? ORDER BY d.id", (account, address)).fetchall()
 
 
-def _unsubscribe_page(call, token):
-    # GET never unsubscribes: mail scanners and link previews fetch links.
+def _subject_words(language, lists):
+    """The words of an unsubscribe link's pages: its recipient's list's
+    language; for a link of the first release the first list that holds
+    the address, else the browser's."""
+    language = language or (lists[0]["language"] if lists else None)
+    return _Words(language) if language else _browser_words()
+
+
+def _unsubscribe_page(call, token, leave=None):
+    """The page of an unsubscribe link: leave everything (the one-click
+    POST), or, in the preference centre below, one list at a time.
+    ``leave`` (a POST to {token}/{datasource}): that list is left (applied
+    by _apply_leave) and the page says so.  A GET never changes anything:
+    mail scanners and link previews fetch links."""
     subject = _unsubscribe_subject(call, token)
     if subject is None:
-        return _bad_link_page("unsubscribe")
-    account, address = subject[:2]
-    done = call.conn.execute(
-        "SELECT 1 FROM suppression WHERE account = ? AND email = ? "
-        "AND reason IN ('unsubscribed', 'complained')", (account, address)).fetchone()
-    if done:
-        return _unsubscribed_page(address, already=True)
-    return _page_response("Unsubscribe", (
-        f"<p>Stop sending emails to <strong>{html.escape(address)}</strong>?</p>"
-        '<form method="post"><input type="hidden" name="List-Unsubscribe" value="One-Click">'
-        '<button type="submit">Unsubscribe</button></form>'))
+        return _bad_link_page(_browser_words())
+    account, address, language = subject[0], subject[1], subject[5]
+    lists = _preference_lists(call.conn, account, address)
+    words = _subject_words(language, lists)
+    here = "" if leave is None else "../"   # the forms' paths, relative to this page's
+    left = None
+    if leave is not None:
+        left = next((row for row in lists if str(row["id"]) == leave), None)
+        if left is None:
+            return _bad_link_page(words)
+        call.later("leave", account=account, address=address, datasource=left["id"])
+    # After a leave this page answers at {token}/{datasource}: the buttons go back.
+    back = f' action="../{html.escape(token)}"' if leave is not None else ""
+    who = f"<strong>{html.escape(address)}</strong>"
+    if call.conn.execute("SELECT 1 FROM suppression WHERE account = ? AND email = ? "
+                         "AND reason IN ('unsubscribed', 'complained')",
+                         (account, address)).fetchone():
+        title, body = words("already_title"), f"<p>{words.html('already', address=who)}</p>"
+    else:
+        title = words("unsubscribe_title")
+        body = (f"<p>{words.html('unsubscribe_ask', address=who)}</p>"
+                f'<form method="post"{back}>'
+                '<input type="hidden" name="List-Unsubscribe" value="One-Click">'
+                f'<button type="submit">{words.html("unsubscribe_all")}</button></form>')
+    return _page_response(title, body + _list_choices(words, here + html.escape(token), lists,
+                                                      left), words=words)
+
+
+def _list_choices(words, action, lists, left=None):
+    """The preference centre: each list with its status, and a button to
+    leave it while the address is on it; ``left`` the row just left."""
+    if not lists:
+        return ""
+    items = []
+    for row in lists:
+        status = "unsubscribed" if left is not None and row["id"] == left["id"] \
+            else row["status"]
+        button = (f'<form method="post" action="{action}/{row["id"]}"><button type="submit" '
+                  f'aria-describedby="list{row["id"]}">{words.html("leave")}</button></form>'
+                  if status in ("active", "unconfirmed") else "")
+        items.append(f'<li><span><strong id="list{row["id"]}">{html.escape(row["name"])}'
+                     f'</strong> <span class="status">{words.html("status_" + status)}</span>'
+                     f'</span>{button}</li>')
+    notice = (f'<p class="notice" role="status">{words.html("left", name=html.escape(left["name"]))}'
+              "</p>" if left is not None else "")
+    return (f'<h2>{words.html("lists_title")}</h2>{notice}<p>{words.html("lists_intro")}</p>'
+            f'<ul class="lists">{"".join(items)}</ul>')
+
+
+def _leave_post(call, token, ds):
+    """Leave one list of the preference centre (the page's per-list button)."""
+    return _unsubscribe_page(call, token, leave=ds)
 
 
 def _unsubscribe_post(call, token):
-    # RFC 8058 one-click, and the confirm button of the page: both at once.
+    # RFC 8058 one-click, and the page's button to leave everything: both at once.
     subject = _unsubscribe_subject(call, token)
     if subject is None:
-        return _bad_link_page("unsubscribe")
-    account, address, campaign, batch, outbox = subject
+        return _bad_link_page(_browser_words())
+    account, address, campaign, batch, outbox, language = subject
     call.later("unsubscribe", account=account, address=address, campaign=campaign, batch=batch,
                outbox=outbox)
-    return _unsubscribed_page(address)
+    words = _subject_words(language, () if language else _preference_lists(
+        call.conn, account, address))
+    return _page_response(words("unsubscribed_title"), (
+        f"<p>{words.html('unsubscribed', address=f'<strong>{html.escape(address)}</strong>')}"
+        "</p>"), words=words)
 
 
 def _apply_unsubscribe(call, account, address, campaign, batch, outbox):
     suppress(call.conn, account, address, "unsubscribed", campaign, batch=batch, outbox=outbox,
              pending=call.events)
+
+
+def _apply_leave(call, account, address, datasource):
+    """Leave one list (kept by call.later()): only that list's recipient
+    becomes unsubscribed; the address stays on the account's other lists and
+    off its suppression list, so their campaigns still reach it."""
+    if call.conn.execute(
+            "UPDATE recipient SET status = 'unsubscribed', updated = ? WHERE datasource = ? "
+            "AND email = ? AND status IN ('active', 'unconfirmed') "
+            "AND datasource IN (SELECT id FROM datasource WHERE owner = ?)",
+            (_now(), datasource, address, account)).rowcount:
+        emit(call.conn, account, "recipient.unsubscribed",
+             {"email": address, "campaign": None, "batch": None,
+              "datasource": str(datasource)}, call.events)
 
 
 # Open and click ----------------------------------------------------------------
@@ -8070,7 +8590,7 @@ def _click(call, token):
     to a URL the request chose."""
     email, numbers = _campaign_email(call.conn, call.service.secret, "click", token, size=2)
     if email is None:
-        return _bad_link_page("tracked")
+        return _bad_link_page(_browser_words())
     values = {}
     if "{" in email["url"] and email["recipient"] is None and email["prepared"] is not None:
         values = _merge_values(email["merge_values"], email["email"])
@@ -8105,10 +8625,6 @@ _INPUT_TYPES = {"text": 'type="text"', "integer": 'type="number" step="1"',
                 "email": 'type="email"'}
 
 
-def _today():
-    return (datetime.datetime.now(datetime.timezone.utc).date() - datetime.date(1970, 1, 1)).days
-
-
 def _confirm_url(secret, base, recipient_id):
     """The link of a confirmation email: names the recipient by id (signed,
     no address), valid for _CONFIRM_DAYS."""
@@ -8125,34 +8641,43 @@ def _signup_list(call, ds):
                              "AND signup = 1", (datasource,)).fetchone()
 
 
-def _list_page(title, body, status=200, cors=False):
-    response = _page_response(title, body, status)
+def _list_page(words, title, body, status=200, cors=False):
+    response = _page_response(title, body, status, words)
     if cors:
         response.set_header("Access-Control-Allow-Origin", "*")
     return response
 
 
-_GONE = ("<p>This sign-up form does not exist, or the list no longer takes sign-ups.</p>")
+def _form_gone(status=404, cors=False):
+    words = _browser_words()   # no list, so no language of its own
+    return _list_page(words, words("form_gone_title"), f"<p>{words.html('form_gone')}</p>",
+                      status, cors)
 
 
-def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
-    """The sign-up form of a datasource: the address and its fields, each
-    with a label; plain HTML that works without JavaScript.  After a refusal:
-    what was typed, the ``error`` above, and the ``wrong`` field marked."""
+def _signup_form(call, ds, values=None, error=None, status=200):
+    """The sign-up form of a datasource in its language: the address and its
+    fields, each with its label (else its name); plain HTML that works
+    without JavaScript.  After a refusal: what was typed, the ``error``
+    (ApiError) above, and the field it names marked."""
     datasource = _signup_list(call, ds)
     if datasource is None:
-        return _list_page("Sign-up form not found", _GONE, 404)
-    values = values or {}
+        return _form_gone()
+    words, values = _Words(datasource["language"]), values or {}
+    fields = call.conn.execute("SELECT id, name, type, label FROM field WHERE datasource = ? "
+                               "ORDER BY id", (datasource["id"],)).fetchall()
+    labels = {name.lower(): label or name for _, name, _, label in fields}
+    labels["email"] = next((label for _, name, _, label in fields
+                            if name.lower() == "email" and label), words("email_label"))
     rows = []
-    for field_id, name, kind in sorted(_datasource_fields(call.conn, datasource["id"]).values()):
+    for field_id, name, kind, _ in fields:
         is_email = name.lower() == "email"
         key = "email" if is_email else name
-        label = "Email address" if is_email else name
+        label = labels[name.lower()]
         given = values.get(key)
         value = "" if given is None or kind == "boolean" else f' value="{html.escape(str(given))}"'
         checked = " checked" if kind == "boolean" and given not in (None, "", "0") else ""
         extra = ' required autocomplete="email"' if is_email else ""
-        if error and wrong == key:
+        if error and error.extra.get("field") == key:
             extra += ' aria-invalid="true" aria-describedby="form-error"'
         control = (f'<input id="f{field_id}" name="{html.escape(key)}" '
                    f'{_INPUT_TYPES[kind]}{value}{checked}{extra}>')
@@ -8160,19 +8685,35 @@ def _signup_form(call, ds, values=None, error=None, status=200, wrong=None):
             rows.append(f'<p class="check">{control} <label for="f{field_id}">'
                         f'{html.escape(label)}</label></p>')
         else:
-            rows.append(f'<p><label for="f{field_id}">{html.escape(label)}'
-                        f'{"" if is_email else " <small>(optional)</small>"}</label>{control}</p>')
+            optional = "" if is_email else f" <small>{words.html('optional')}</small>"
+            rows.append(f'<p><label for="f{field_id}">{html.escape(label)}{optional}</label>'
+                        f'{control}</p>')
         if is_email:  # the address first, whatever the field order
             rows.insert(0, rows.pop())
-    alert = (f'<p class="error" id="form-error" role="alert">{html.escape(error)}</p>'
-             if error else "")
+    alert = (f'<p class="error" id="form-error" role="alert">'
+             f'{html.escape(_form_error(words, error, labels))}</p>' if error else "")
     description = (f"<p>{html.escape(datasource['description'])}</p>"
                    if datasource["description"].strip() else "")
     body = (f"{description}{alert}<form method=\"post\" accept-charset=\"utf-8\">{''.join(rows)}"
-            f'<p class="trap" aria-hidden="true"><label for="hp">Leave this empty</label>'
+            f'<p class="trap" aria-hidden="true"><label for="hp">{words.html("honeypot")}</label>'
             f'<input id="hp" name="{_HONEYPOT}" type="text" tabindex="-1" autocomplete="off"></p>'
-            '<p><button type="submit">Subscribe</button></p></form>')
-    return _list_page(f"Subscribe to {datasource['name']}", body, status)
+            f'<p><button type="submit">{words.html("subscribe")}</button></p></form>')
+    return _list_page(words, words("subscribe_title", name=datasource["name"]), body, status)
+
+
+def _form_error(words, error, labels):
+    """The sentence above a refused sign-up form: in English the API's own
+    (it names the value at fault); in another language the same point
+    without the value: the address is missing or wrong, or which field to
+    check, or that the form could not be read."""
+    field = error.extra.get("field")
+    if words.lang == "en":
+        return error.message
+    if field == "email":
+        return words("email_missing" if isinstance(error, MissingParameter) else "email_invalid")
+    if isinstance(field, str) and field.lower() in labels:
+        return words("field_invalid", label=labels[field.lower()])
+    return words("form_invalid")
 
 
 def _signup_as_page(environ):
@@ -8274,29 +8815,33 @@ def _signup_post(call, ds):
         if not as_page:
             raise
         if datasource is None:
-            return _list_page("Sign-up form not found", _GONE, error.status, cors=True)
+            return _form_gone(error.status, cors=True)
+        words = _Words(datasource["language"])
         if isinstance(error, TooManyRequests):
-            page = _list_page("Please wait a minute", f"<p>{html.escape(error.message)}</p>",
+            page = _list_page(words, words("wait_title"), f"<p>{words.html('too_many')}</p>",
                               429, cors=True)
             page.set_header("Retry-After", str(error.headers["Retry-After"]))
             return page
         # The form again, with what was typed and what to fix.
         page = _signup_form(call, ds, {k: v for k, v in given.items() if isinstance(k, str)},
-                            error.message, error.status, error.extra.get("field"))
+                            error, error.status)
         page.set_header("Access-Control-Allow-Origin", "*")
         return page
     status = "pending" if datasource["doubleoptin"] else "subscribed"
     if not as_page:
         return {"status": status}
+    words, name = _Words(datasource["language"]), html.escape(datasource["name"])
     if status == "pending":
-        return _list_page("Almost done: check your email", (
-            f"<p>To finish subscribing to <strong>{html.escape(datasource['name'])}</strong>, "
-            "open the link in the email we just sent you.</p>"
-            "<p>No email after a few minutes? Look in your spam folder, or check the address "
-            "and sign up again. Nothing is sent to you until you confirm.</p>"), cors=True)
-    return _list_page("You are subscribed", (
-        f"<p>Thank you: you are on the list <strong>{html.escape(datasource['name'])}</strong>."
-        "</p><p>Every email we send has a link to unsubscribe.</p>"), cors=True)
+        return _list_page(words, words("pending_title"), (
+            f"<p>{words.html('pending', name=f'<strong>{name}</strong>')}</p>"
+            f"<p>{words.html('pending_help')}</p>"), cors=True)
+    return _list_page(words, words("subscribed_title"), _thanks(words, name), cors=True)
+
+
+def _thanks(words, name):
+    """The page text of a subscription that is done: ``name`` the list's, escaped."""
+    return (f"<p>{words.html('thanks', name=f'<strong>{name}</strong>')}</p>"
+            f"<p>{words.html('every_email')}</p>")
 
 
 def _subscribe_options(call, ds):
@@ -8364,18 +8909,18 @@ def _sign_up(call, datasource, address, data):
                                    for body in ("html", "text") if message[body].strip()):
         _queue_list_email(call, datasource, row, message, confirm=link)
         return
-    name = datasource["name"]
+    # The built-in confirmation email, in the list's language.
+    words, name = _Words(datasource["language"]), datasource["name"]
+    name_html = html.escape(name)
     _queue_list_email(call, datasource, row, {
-        "subject": f"Confirm your subscription to {name}",
-        "text": (f"Hello,\n\nsomeone, hopefully you, asked to receive the emails of \"{name}\" "
-                 "at this address.\n\nTo confirm, open this link and press the button:\n"
-                 "{{confirm_url}}\n\nThe link works for 7 days. If you did not ask for this, "
-                 "ignore this email: nothing more will be sent to you.\n"),
-        "html": (f"<p>Hello,</p><p>someone, hopefully you, asked to receive the emails of "
-                 f"<strong>{html.escape(name)}</strong> at this address.</p>"
-                 '<p><a href="{{confirm_url}}">Confirm your subscription</a></p>'
-                 "<p>The link works for 7 days. If you did not ask for this, ignore this "
-                 "email: nothing more will be sent to you.</p>"),
+        "subject": words("mail_subject", name=name),
+        "text": (f"{words('mail_hello')}\n\n{words('mail_asked', name=chr(34) + name + chr(34))}"
+                 f"\n\n{words('mail_open')}\n{{{{confirm_url}}}}\n\n"
+                 f"{words('mail_note', days=_CONFIRM_DAYS)}\n"),
+        "html": (f"<p>{words.html('mail_hello')}</p><p>"
+                 f"{words.html('mail_asked', name=f'<strong>{name_html}</strong>')}</p>"
+                 f'<p><a href="{{{{confirm_url}}}}">{words.html("confirm_title")}</a></p>'
+                 f"<p>{words.html('mail_note', days=_CONFIRM_DAYS)}</p>"),
         "fromname": "", "fromaddress": "", "replyto": ""}, confirm=link)
 
 
@@ -8414,56 +8959,56 @@ def _queue_list_email(call, datasource, recipient, message, confirm=""):
             html=_Template(message["html"]).fill(values, as_html=True) or None, sender=sender)
 
 
-_CONFIRM_ROW = ("SELECT r.*, d.name AS list_name, d.owner, d.welcomemessage, d.fromprofile "
-                "FROM recipient r JOIN datasource d ON d.id = r.datasource "
+_CONFIRM_ROW = ("SELECT r.*, d.name AS list_name, d.owner, d.welcomemessage, d.fromprofile, "
+                "d.language FROM recipient r JOIN datasource d ON d.id = r.datasource "
                 "WHERE r.id = ? AND d.deleted = 0")
 
 
 def _confirm_subject(call, token):
-    """``(recipient row with its list, None)`` for a token that can confirm,
-    else ``(None, page)``: the page saying why not."""
+    """``(recipient row with its list, words, None)`` for a token that can
+    confirm, else ``(None, words, page)``: the page saying why not, in the
+    list's language (the browser's when the list is unknown)."""
     numbers = read_token(call.service.secret, "confirm", token)
+    row = None
+    if numbers is not None and len(numbers) == 2:
+        row = call.conn.execute(_CONFIRM_ROW, (numbers[0],)).fetchone()
+    words = _Words(row["language"]) if row is not None else _browser_words()
     if numbers is None or len(numbers) != 2:
-        return None, _list_page("This link is not valid", (
-            "<p>This confirmation link is not valid. Copy the whole link from the email, "
-            "or sign up again to get a new one.</p>"), 404)
-    recipient_id, expires = numbers
-    row = call.conn.execute(_CONFIRM_ROW, (recipient_id,)).fetchone()
-    if expires < _today() or row is None:
-        return None, _list_page("This link has expired", (
-            f"<p>Confirmation links work for {_CONFIRM_DAYS} days, and this one is older or no "
-            "longer needed. Sign up again to get a new one.</p>"), 404)
-    if row["status"] == "active":
-        return None, _list_page("You are subscribed", (
-            f"<p>Your subscription to <strong>{html.escape(row['list_name'])}</strong> is "
-            "confirmed. There is nothing more to do.</p>"))
-    if row["confirm_sent"] is None:
-        return None, _list_page("This link is no longer valid", (
-            "<p>This confirmation link has been used already. To subscribe again, use the "
-            "sign-up form once more.</p>"), 404)
-    return row, None
+        title, text, status = "confirm_invalid_title", words.html("confirm_invalid"), 404
+    elif numbers[1] < _today() or row is None:
+        title, status = "expired_title", 404
+        text = words.html("expired", days=_CONFIRM_DAYS)
+    elif row["status"] == "active":
+        title, status = "subscribed_title", 200
+        text = words.html("confirmed_already",
+                          name=f"<strong>{html.escape(row['list_name'])}</strong>")
+    elif row["confirm_sent"] is None:
+        title, text, status = "used_title", words.html("used"), 404
+    else:
+        return row, words, None
+    return None, words, _list_page(words, words(title), f"<p>{text}</p>", status)
 
 
 def _confirm_page(call, token):
     # GET never confirms: mail scanners and link previews open links.
-    row, page = _confirm_subject(call, token)
+    row, words, page = _confirm_subject(call, token)
     if page is not None:
         return page
-    return _list_page("Confirm your subscription", (
-        f"<p>Please confirm that you want to receive the emails of "
-        f"<strong>{html.escape(row['list_name'])}</strong>.</p>"
-        '<form method="post"><button type="submit">Yes, subscribe me</button></form>'))
+    name = f"<strong>{html.escape(row['list_name'])}</strong>"
+    return _list_page(words, words("confirm_title"), (
+        f"<p>{words.html('confirm_ask', name=name)}</p>"
+        f'<form method="post"><button type="submit">{words.html("confirm_button")}</button>'
+        "</form>"))
 
 
 def _confirm_post(call, token):
     """Confirm (applied by _apply_confirm)."""
-    row, page = _confirm_subject(call, token)
+    row, words, page = _confirm_subject(call, token)
     if page is not None:
         return page
     call.later("confirm", recipient=row["id"], base=call.base_url)
-    return _list_page("Subscription confirmed", (
-        f"<p>Thank you: you are on the list <strong>{html.escape(row['list_name'])}</strong>."
-        "</p><p>Every email we send has a link to unsubscribe.</p>"))
+    return _list_page(words, words("confirmed_title"),
+                      _thanks(words, html.escape(row["list_name"])))
 
 
 def _apply_confirm(call, recipient, base):
@@ -8489,6 +9034,173 @@ def _apply_confirm(call, recipient, base):
     _queue_welcome(call, datasource, row)
 
 
+# The public archive and report links -----------------------------------------
+
+#: How many batches a public archive page and its feed show, newest first.
+_ARCHIVE_SHOWN = 50
+#: The public archive of a datasource: the sent batches of its owner's public,
+#: live campaigns that mailed it (their segments drew from it: batch_datasource,
+#: read by its key however big the batches), newest first.
+_PUBLIC_BATCHES = (
+    "SELECT b.id, coalesce(b.finished, b.timestamp) AS sent, c.name AS campaign_name "
+    "FROM batch_datasource d JOIN batch b ON b.id = d.batch JOIN campaign c ON c.id = b.campaign "
+    "WHERE d.datasource = ? AND c.owner = ? AND c.public = 1 AND c.deleted = 0 "
+    "AND b.status = 'sent' {} ORDER BY sent DESC, b.id DESC LIMIT ?")
+#: A link whose address was a merge tag (the unsubscribe link, a confirm
+#: link): emptied in the archive, so the link goes and its words stay.
+_EMPTIED_LINK = re.compile(r"""<a\b[^>]*?\bhref\s*=\s*(?:""|'')[^>]*>(.*?)</a\s*>""",
+                           re.IGNORECASE | re.DOTALL)
+#: Characters XML 1.0 cannot hold, left out of the feed.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _archive_batches(call, ds, batch=None):
+    """``(datasource, words, batches)`` of the public archive of datasource
+    ``ds`` (``batch``: that one only): its batch rows (id, sent,
+    campaign_name) newest first, each with ``messages`` as the archive shows
+    them; ``batches`` is empty for a datasource that does not take sign-ups
+    or has no such batch."""
+    datasource = _signup_list(call, str(ds))
+    if datasource is None:
+        return None, _browser_words(), []
+    only = (batch,) if batch is not None else ()
+    rows = call.conn.execute(_PUBLIC_BATCHES.format("AND b.id = ?" if only else ""), (
+        datasource["id"], datasource["owner"], *only, _ARCHIVE_SHOWN)).fetchall()
+    messages = {}
+    for row in call.conn.execute("SELECT * FROM batch_message WHERE batch IN ({}) ORDER BY "
+                                 "batch, message".format(", ".join("?" for _ in rows) or "NULL"),
+                                 [row["id"] for row in rows]):
+        messages.setdefault(row["batch"], []).append(_as_archived(row))
+    batches = [{**dict(row), "messages": messages.get(row["id"], [])} for row in rows]
+    return datasource, _Words(datasource["language"]), batches
+
+
+def _as_archived(message):
+    """A batch's message as the public archive shows it (``{subject, html,
+    text}``): every merge value empty, so no unsubscribe link, no address and
+    no value of a recipient; the html before tracking, so no tracked link
+    and no open image."""
+    html_body = _Template(message["html"]).fill({}, as_html=True)
+    return {"subject": _Template(message["subject"]).fill({}) or "(no subject)",
+            "html": _EMPTIED_LINK.sub(r"\1", html_body),
+            "text": _Template(message["text"]).fill({})}
+
+
+def _archive_gone(words):
+    return _page_response(words("archive_gone_title"), f"<p>{words.html('archive_gone')}</p>",
+                          404, words)
+
+
+def _archive_list(call, ds):
+    """The public archive page of a datasource: its sent emails, newest first."""
+    datasource, words, batches = _archive_batches(call, ds)
+    if not batches:
+        return _archive_gone(words)
+    name = html.escape(datasource["name"])
+    items = "".join(
+        f'<li><a href="{ds}/{batch["id"]}">{html.escape(batch["messages"][0]["subject"] if batch["messages"] else batch["campaign_name"])}'
+        f'</a> <span class="sent">{words.html("archive_sent", date=batch["sent"][:10])}</span>'
+        "</li>" for batch in batches)
+    return _page_response(words("archive_title", name=datasource["name"]), (
+        f'<ul class="archive">{items}</ul><p><a href="../subscribe/{ds}">{words.html("subscribe_title", name=name)}'
+        f'</a> · <a href="{ds}/feed" type="application/atom+xml">{words.html("archive_feed")}'
+        "</a></p>"), words=words, wide=True, head=(   # where feed readers look for it
+            f'<link rel="alternate" type="application/atom+xml" href="{ds}/feed">'))
+
+
+def _archive_batch(call, ds, batch):
+    """One email of the public archive, as it was sent (merge values empty),
+    in a sandboxed frame: its html runs no script and reaches nothing here."""
+    datasource, words, batches = _archive_batches(call, ds, batch)
+    if not batches:
+        return _archive_gone(words)
+    parts = []
+    for index, message in enumerate(batches[0]["messages"]):
+        if index:
+            parts.append(f"<h2>{html.escape(message['subject'])}</h2>")
+        if message["html"].strip():
+            parts.append(f'<iframe sandbox="" referrerpolicy="no-referrer" title="'
+                         f'{words.html("archive_email")}: {html.escape(message["subject"])}" '
+                         f'srcdoc="{html.escape(message["html"], quote=True)}"></iframe>')
+        else:
+            parts.append(f'<pre style="white-space:pre-wrap">{html.escape(message["text"])}</pre>')
+    first = batches[0]["messages"][0]["subject"] if batches[0]["messages"] else \
+        batches[0]["campaign_name"]
+    name = html.escape(datasource["name"])
+    return _page_response(first, (
+        f'<p class="sent">{words.html("archive_sent", date=batches[0]["sent"][:10])}</p>'
+        + "".join(parts) + f'<p><a href="../{ds}">{words.html("archive_all", name=name)}</a> · '
+        f'<a href="../../subscribe/{ds}">{words.html("subscribe_title", name=name)}</a></p>'),
+        words=words, wide=True)
+
+
+def _atom_time(moment):
+    return moment.replace(" ", "T") + "Z"
+
+
+def _archive_feed(call, ds):
+    """The public archive as an Atom feed (RFC 4287): an entry per email,
+    its html as the content; absolute links, from the public URL."""
+    datasource, words, batches = _archive_batches(call, ds)
+    if not batches:
+        return _archive_gone(words)
+
+    def text(value):
+        return html.escape(_NOT_XML.sub("", value), quote=True)
+
+    base = f"{call.base_url}/v1/archive/{ds}"
+    entries = []
+    for batch in batches:
+        messages = batch["messages"]
+        content = "<hr>".join(message["html"] if message["html"].strip()
+                              else f"<pre>{html.escape(message['text'])}</pre>"
+                              for message in messages)
+        entries.append(
+            f"<entry><id>{text(base)}/{batch['id']}</id>"
+            f"<title>{text(messages[0]['subject'] if messages else batch['campaign_name'])}</title>"
+            f"<updated>{_atom_time(batch['sent'])}</updated>"
+            f'<link rel="alternate" type="text/html" href="{text(base)}/{batch["id"]}"/>'
+            f'<content type="html">{text(content)}</content></entry>')
+    feed = (f'<?xml version="1.0" encoding="utf-8"?>\n<feed xmlns="http://www.w3.org/2005/Atom" '
+            f'xml:lang="{words.lang}"><id>{text(base)}</id>'
+            f"<title>{text(words('archive_title', name=datasource['name']))}</title>"
+            f"<updated>{_atom_time(batches[0]['sent'])}</updated>"
+            f'<link rel="self" type="application/atom+xml" href="{text(base)}/feed"/>'
+            f'<link rel="alternate" type="text/html" href="{text(base)}"/>'
+            f"<author><name>{text(datasource['name'])}</name></author>{''.join(entries)}</feed>\n")
+    return bottle.HTTPResponse(feed, 200, {"Content-Type": "application/atom+xml; charset=utf-8",
+                                           "Cache-Control": "max-age=300"})
+
+
+def _report_page(call, token):
+    """The statistics page of a report link (reporturl): a campaign's (its
+    token's batch 0) or one batch's, for a person without a key, read-only,
+    while the link is valid."""
+    numbers = read_token(call.service.secret, "report", token)
+    words = _browser_words()
+    if numbers is None or len(numbers) != 3:
+        return _bad_link_page(words)
+    campaign, batch, expires = (min(number, MAX_ID) for number in numbers)
+    if expires < _today():
+        return _page_response(words("expired_title"), (
+            f"<p>{words.html('report_expired', days=_REPORT_DAYS)}</p>"), 404, words)
+    row = call.conn.execute("SELECT * FROM campaign WHERE id = ?", (campaign,)).fetchone()
+    if batch:
+        found = call.conn.execute("SELECT * FROM batch WHERE id = ? AND campaign = ?",
+                                  (batch, campaign)).fetchone()
+        record = found and _batch_record(call.conn, found, with_messages=False)
+        title = row and f"{row['name']}, batch {batch}: what happened"
+    else:
+        record = row and _campaign_archive(call.conn, campaign)
+        title = row and f"{row['name']}: what happened"
+    if not record:
+        return _bad_link_page(words)
+    page = _statistics_page(record, title)
+    page.set_header("X-Robots-Tag", "noindex")
+    page.set_header("Referrer-Policy", "no-referrer")   # the link is the key: keep it here
+    return page
+
+
 #: What the public routes hand to call.later(), by kind: each function
 #: applies one write, its payload as keyword arguments, in the caller's
 #: transaction (see _Intake).
@@ -8496,6 +9208,7 @@ _LATER = {
     "event": lambda call, kind, email, link, created:
         _record_event(call.conn, kind, email, link, created),
     "unsubscribe": _apply_unsubscribe,
+    "leave": _apply_leave,
     "signup": _apply_signup,
     "confirm": _apply_confirm,
 }
@@ -11063,8 +11776,10 @@ _RECORD_SCHEMAS = {
         checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
     "check": _record_schema("check passed message", check={"type": "string"},
                             passed=_FLAG_ANSWER, message={"type": "string"}),
-    "archive": _record_schema("id campaign batches " + " ".join(_STATISTICS) + " links timeline",
-                              batches={"type": "array", "items": _BATCH_SCHEMA},
+    "archive": _record_schema("id campaign batches " + " ".join(_STATISTICS)
+                              + " links timeline reporturl",
+                              batches={"type": "array", "items": _REPORTED_BATCH},
+                              reporturl={"type": "string", "format": "uri"},
                               **_STATISTICS_SCHEMAS),
 }
 
@@ -11383,10 +12098,14 @@ def openapi_document(routes=None, base_url=None, allow_private=False):
         decides which webhook URLs are taken).
     """
     routes = Route.table if routes is None else routes
-    paths = {}
+    paths, used = {}, set()
     for route in routes:
         path = "/v1" + Route._PLACEHOLDER.sub(r"{\1}", route.path)
-        paths.setdefault(path, {})[route.method.lower()] = _operation(route, allow_private)
+        operation = _operation(route, allow_private)
+        if operation["operationId"] in used:   # /archive/{ds} and /archive/{ds}/{batch}
+            operation["operationId"] += "_" + list(route.ids)[-1].lower()
+        used.add(operation["operationId"])
+        paths.setdefault(path, {})[route.method.lower()] = operation
     responses, errors = {}, {}
     for status, codes in _error_codes().items():
         name = f"error{status}"
@@ -11473,22 +12192,42 @@ _SIGNUP_REQUEST = {"required": True, "content": {
 
 
 def _index(call):
-    """What this API is and where to start: the version and the main links,
-    as references relative to the index's own URL (``/v1/``), so they hold
-    under any mount prefix or proxy."""
-    return {"name": "campaignapi", "version": __version__, "openapi": "openapi.json",
-            "collections": {kind: f"{kind}/all" for kind in _INDEX_COLLECTIONS}}
+    """What this API is and where to start: the version, the OpenAPI document
+    and a collection for every kind the route table lists (GET
+    /{kind}/all), as references relative to the index's own URL (``/v1/``),
+    so they hold under any mount prefix or proxy.  A browser gets them as
+    links above the envelope."""
+    collections = {kind: f"{kind}/all" for kind in _collections(call.service.routes)}
+    data = {"name": "campaignapi", "version": __version__, "openapi": "openapi.json",
+            "collections": collections}
+    if not _prefers_html(_request_header("Accept")):
+        return data
+    links = [("openapi.json", "The OpenAPI document (openapi.json)"),
+             *((href, f"{kind}: every record (needs a key)") for kind, href in collections.items())]
+    return bottle.HTTPResponse(_respond(200, _envelope(call.response_id, True, data),
+                                        page=(f"campaignapi {__version__}", links)),
+                               200, {"Content-Type": "text/html; charset=utf-8"})
 
 
-_INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "campaign")
+_COLLECTION = re.compile(r"/(\w+)/\{id:[\w|]*\ball\b[\w|]*\}")
+
+
+def _collections(routes):
+    """The kinds ``routes`` serve a listing of (GET /{kind}/{id:...all...}), in table order."""
+    found = (_COLLECTION.fullmatch(route.path) for route in routes if route.method == "GET")
+    return list(dict.fromkeys(match[1] for match in found if match))
+
+
+#: The collections every API has (others come with the route table).
+_INDEX_COLLECTIONS = ("datasource", "message", "segment", "accountprofile", "template",
+                      "campaign", "webhook")
+_URI_REFERENCE = {"type": "string", "format": "uri-reference"}
 _INDEX_ANSWER = {"type": "object", "required": ["name", "version", "openapi", "collections"],
                  "properties": {
                      "name": {"type": "string"}, "version": {"type": "string"},
-                     "openapi": {"type": "string", "format": "uri-reference"},
+                     "openapi": _URI_REFERENCE,
                      "collections": {"type": "object", "required": list(_INDEX_COLLECTIONS),
-                                     "properties": {kind: {"type": "string", "format":
-                                                           "uri-reference"}
-                                                    for kind in _INDEX_COLLECTIONS}}}}
+                                     "additionalProperties": _URI_REFERENCE}}}
 
 
 # ---------------------------------------------------------------------------
@@ -11655,6 +12394,24 @@ ROUTES = [
     Route("OPTIONS", "/subscribe/{id:name}", None, _subscribe_options, reads_body=False,
           writes=False, summary="CORS preflight of a cross-origin sign-up",
           answers={"description": "An empty answer with the CORS headers.", "content": {}}),
+    # Pages people see without a key: the preference centre's per-list leave,
+    # the public archive and its feed, report links (API.md section 21)
+    Route("POST",   "/unsubscribe/{token:name}/{ds:name}", None, _leave_post, reads_body=False,
+          later=True, pages=True, answers=_PAGE_ANSWER,
+          summary="Leave one list of the preference centre (the unsubscribe page's button)"),
+    Route("GET",    "/archive/{ds}", None, _archive_list, reads_body=False, pages=True,
+          summary="The public archive of a sign-up datasource (an HTML page)",
+          answers=_PAGE_ANSWER),
+    Route("GET",    "/archive/{ds}/feed", None, _archive_feed, reads_body=False, pages=True,
+          summary="The public archive as an Atom feed", answers={
+              "description": "An Atom feed (RFC 4287): an entry per email.",
+              "content": {"application/atom+xml": {"schema": {"type": "string"}}}}),
+    Route("GET",    "/archive/{ds}/{batch}", None, _archive_batch, reads_body=False, pages=True,
+          summary="One email of the public archive, as sent (an HTML page)",
+          answers=_PAGE_ANSWER),
+    Route("GET",    "/report/{token:name}", None, _report_page, reads_body=False, pages=True,
+          summary="The statistics page of a report link (reporturl), without a key",
+          answers=_PAGE_ANSWER),
     Route("GET",    "/confirm/{token:name}", None, _confirm_page, reads_body=False, pages=True,
           summary="The page of a confirmation link, with its confirm button",
           answers=_PAGE_ANSWER),

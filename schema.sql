@@ -67,7 +67,9 @@ CREATE TABLE IF NOT EXISTS datasource (
     doubleoptin    INTEGER NOT NULL DEFAULT 1 CHECK (doubleoptin IN (0, 1)),
     confirmmessage INTEGER,
     welcomemessage INTEGER,
-    fromprofile    INTEGER
+    fromprofile    INTEGER,
+    -- version 10: the language of its public pages and built-in emails
+    language       TEXT NOT NULL DEFAULT 'en' CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'))
 );
 CREATE INDEX IF NOT EXISTS datasource_owner ON datasource(owner, deleted);
 
@@ -79,6 +81,7 @@ CREATE TABLE IF NOT EXISTS field (
     name       TEXT NOT NULL COLLATE NOCASE,
     type       TEXT NOT NULL CHECK (type IN ('text', 'integer', 'number', 'boolean',
                                              'date', 'datetime', 'email')),
+    label      TEXT NOT NULL DEFAULT '',   -- version 10: shown on the sign-up form
     UNIQUE (datasource, name)
 );
 
@@ -205,7 +208,8 @@ CREATE TABLE IF NOT EXISTS campaign (
     -- percent; what chooses the winner; seconds from the test to the choice)
     testsize        INTEGER NOT NULL DEFAULT 20 CHECK (testsize BETWEEN 10 AND 50),
     testmetric      TEXT NOT NULL DEFAULT 'opens' CHECK (testmetric IN ('opens', 'clicks')),
-    testwait        INTEGER NOT NULL DEFAULT 14400 CHECK (testwait BETWEEN 60 AND 604800)
+    testwait        INTEGER NOT NULL DEFAULT 14400 CHECK (testwait BETWEEN 60 AND 604800),
+    public          INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1))     -- version 10: archive
 );
 CREATE INDEX IF NOT EXISTS campaign_owner ON campaign(owner, deleted);
 
@@ -270,6 +274,15 @@ CREATE TABLE IF NOT EXISTS batch_message (
     -- batch): merge tags, {{open_url}} and {{click_url_N}} filled at delivery
     tracked TEXT,
     PRIMARY KEY (batch, message)
+) WITHOUT ROWID;
+
+-- The datasources whose recipients a batch's segments drew from (version 10),
+-- written when the batch is made: a datasource's public archive reads its
+-- batches here rather than in the outbox.
+CREATE TABLE IF NOT EXISTS batch_datasource (
+    datasource INTEGER NOT NULL,
+    batch      INTEGER NOT NULL REFERENCES batch(id),
+    PRIMARY KEY (datasource, batch)
 ) WITHOUT ROWID;
 
 -- The outbox: every email the service sends.  A campaign email names its

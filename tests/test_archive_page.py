@@ -108,11 +108,11 @@ def test_the_archive_page_fits_a_phone(page):
     overflow = page.evaluate("document.documentElement.scrollWidth - "
                              "document.documentElement.clientWidth")
     assert overflow <= 0
-    # The chart keeps readable labels and scrolls sideways in its own box.
-    assert page.locator(".chart").bounding_box()["width"] <= 375
-    assert page.locator("svg").bounding_box()["height"] > 180
+    # The chart is as wide as the phone (no box to scroll sideways, no 640 px
+    # minimum), its labels drawn larger so that they stay readable.
+    assert page.locator(".chart").evaluate("c => c.scrollWidth <= c.clientWidth")
+    assert page.locator("svg").bounding_box()["width"] <= 375
     assert page.locator("svg > g.bucket > text").first.bounding_box()["height"] >= 9
-    assert page.locator(".chart").evaluate("c => c.scrollWidth > c.clientWidth")
     # Figures sit two to a row rather than one long column or a squeezed row.
     boxes = page.locator(".figures > div").evaluate_all(
         "ds => ds.map(d => d.getBoundingClientRect().top)")

@@ -8,7 +8,7 @@ import campaignapi
 
 RECORD_KEYS = {"id", "owner", "accountprofile", "name", "description", "enabled", "scheduled",
                "archiveemail", "defaulttemplate", "created", "deleted", "thumbnail", "archiveid",
-               "tracking", "testsize", "testmetric", "testwait"}
+               "tracking", "testsize", "testmetric", "testwait", "public"}
 
 
 def campaign(api, campaign_id):

@@ -23,7 +23,7 @@ def test_create_and_get_a_datasource(api):
     record = api.get("/datasource/1")["datasource"]
     assert set(record) == {"id", "owner", "name", "description", "origin", "fields", "recipients",
                            "created", "deleted", "signup", "doubleoptin", "confirmmessage",
-                           "welcomemessage", "fromprofile"}
+                           "welcomemessage", "fromprofile", "language"}
     assert record["id"] == "1" and record["name"] == "Newsletter"
     assert record["description"] == "Monthly\nletter" and record["origin"] == "signup"
     assert record["recipients"] == "0" and record["deleted"] == "0"

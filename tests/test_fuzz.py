@@ -56,8 +56,19 @@ def served(tmp_path_factory):
     db = str(tmp_path_factory.mktemp("fuzz") / "campaignapi.db")
     client, auth = keyed_client(db, **provider_settings())
     build_world(Api(client, auth))
-    # Datasource 1 takes sign-ups, so that the public sign-up routes do more than 404.
+    # Datasource 1 takes sign-ups, so that the public sign-up routes do more than 404;
+    # campaign 1 is public and its batch sent, so that its public archive does too.
     Api(client, auth).post("/datasource/1", signup=1, fromprofile=1)
+    Api(client, auth).post("/campaign/1", public=1)
+    from smtp_sink import SmtpSink
+
+    sink = SmtpSink().start()
+    try:
+        campaignapi.process_due(db)
+        campaignapi.deliver(db, sink.address)
+        campaignapi.process_due(db)   # the batch is sent
+    finally:
+        sink.stop()
     return client.app, auth, schemathesis.openapi.from_wsgi("/v1/openapi.json", client.app)
 
 

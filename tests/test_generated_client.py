@@ -28,7 +28,8 @@ def readme_config():
 def test_the_readme_gives_the_configuration_for_the_two_media_types():
     config = readme_config()
     assert config == {"content_type_overrides": {
-        "image/gif": "application/octet-stream", "message/rfc822": "application/octet-stream"}}
+        "image/gif": "application/octet-stream", "message/rfc822": "application/octet-stream",
+        "application/atom+xml": "application/octet-stream"}}
     # Every media type the document answers or takes besides JSON, pages,
     # CSV text and forms has its override.
     document = json.dumps(campaignapi.openapi_document())

@@ -168,6 +168,9 @@ def test_a_v1_database_opens_and_keeps_every_row(engine_db, same_engine_db):
     fresh = same_engine_db
     campaignapi.init_db(fresh)
     assert describe(engine_db) == describe(fresh)
+    # Version 10 finds the lists each batch mailed in the outbox, for the
+    # public archives: batch 1 mailed a recipient of datasource 1.
+    assert after["batch_datasource"] == [{"datasource": 1, "batch": 1}]
     if engine_db.startswith("postgresql://"):
         return  # the requests below run on PostgreSQL after the handlers' port (issue 12)
     client = webtest.TestApp(app)

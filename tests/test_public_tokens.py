@@ -78,7 +78,8 @@ def world(db, smtp_sink):
     return {"db": db, "ds": ds, "campaign": campaign, "confirm": confirm,
             "welcome": welcome_mail, "mail": {to: parsed for _, to, parsed in sent},
             "envelope": {to: sender for sender, to, _ in sent},
-            "export": export, "account": one(db, "SELECT owner FROM datasource")[0]}
+            "export": export, "account": one(db, "SELECT owner FROM datasource")[0],
+            "report": api.get(f"/campaign/{campaign}/archive/{campaign}")["archive"]["reporturl"]}
 
 
 def test_each_token_carries_what_the_readme_says(world):
@@ -110,12 +111,15 @@ def test_each_token_carries_what_the_readme_says(world):
         "Message-ID": {"outbox": campaignapi.read_message_id(SECRET,
                                                              campaign_mail["Message-ID"])},
         "download": {},
+        "report": dict(zip(("campaign", "batch", "expires"), read(
+            SECRET, "report", world["report"].rsplit("/", 1)[1]))),
     }
     expected = {
         "unsubscribe, campaign email": {"campaign": world["campaign"], "recipient": ann},
         "confirm": {"recipient": ann, "expires": expires},
         "open": {"outbox": outbox}, "click": {"outbox": outbox, "link": 0},
         "VERP": {"outbox": outbox}, "Message-ID": {"outbox": outbox}, "download": {},
+        "report": {"campaign": world["campaign"], "batch": 0, "expires": expires + 23},
     }
     # The first release's form, in a test send and in a sign-up's welcome email.
     assert first_release(tested) == {"account": world["account"], "campaign": world["campaign"],

@@ -67,7 +67,8 @@ def _field(api, ds, name):
 
 def test_rename_by_name_and_by_id(api, ds):
     record = api.get(f"/datasource/{ds}/modify/CITY", new="Town", type="text")["field"]
-    assert record == {"id": record["id"], "datasource": str(ds), "name": "Town", "type": "text"}
+    assert record == {"id": record["id"], "datasource": str(ds), "name": "Town", "type": "text",
+                      "label": ""}
     assert recipients(api, ds)["ann@example.com"]["fields"]["Town"] == "Rome"
     renamed = api.get(f"/datasource/{ds}/modify/{record['id']}", new="town", type="text")
     assert renamed["field"]["name"] == "town"
