@@ -135,9 +135,16 @@ DEFAULT_CONFIG = {
     # callable(kind, payload), called after the transaction that raised an
     # event has committed; an exception in it is logged and changes nothing.
     "on_event": None,
+    # Deliverability (section 20).  Per-domain rates: {"gmail.com": "100/m",
+    # "*": "20/s"} or ("gmail.com=100/m", ...); the warm-up's daily caps
+    # ("50,100,500" or numbers) from warmup_start (YYYY-MM-DD; empty: the day
+    # of the first campaign email).  The worker applies them; the API shows them.
+    "domain_rates": (),
+    "warmup": (),
+    "warmup_start": "",
 }
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 9
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -295,6 +302,8 @@ _SQL = {
         "skip_locked": "",
         # A text with characters beyond ASCII (SQLite 3.40 lacks octet_length).
         "non_ascii": "length(CAST({expr} AS BLOB)) != length({expr})",
+        # The domain of an address (after its first @), lower-cased.
+        "address_domain": "lower(substr({expr}, instr({expr}, '@') + 1))",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -324,6 +333,7 @@ _SQL = {
         # Claim outbox rows: each worker takes rows no other has locked.
         "skip_locked": "FOR UPDATE SKIP LOCKED",
         "non_ascii": "octet_length({expr}) != length({expr})",
+        "address_domain": "lower(split_part({expr}, '@', 2))",
     },
 }
 
@@ -9261,6 +9271,283 @@ class _RateLimit:
             stop.wait(slot - now)
 
 
+# Per-domain rates and the warm-up ----------------------------------------------
+#
+# Shared through the database, so every worker of several hosts counts the
+# same emails: a claim admits, in its own transaction, what each receiving
+# domain's rate and the day's warm-up cap allow now; the other claimed rows go
+# back to the queue due when their window ends, and the claims that follow
+# skip a domain whose window is full (no head-of-line blocking: other domains
+# go on).  Windows are fixed ones of the rate's unit, aligned to the clock.
+
+_RATE_UNITS = {"s": 1, "m": 60, "h": 3600}
+#: Seconds without a "slow down" deferral after which a halved rate rises by
+#: a tenth of the configured one (again each such period).
+_QUIET = 600
+#: A deferral that says "slow down" (section 20): 421, 450 to 452 (and SES's
+#: 454) or an enhanced 4.7.x status, mentioning rate, throttling or too many
+#: connections or messages.
+_SLOW_DOWN = re.compile(r"\brate|throttl|too many (?:concurrent )?(?:connections|messages|mails?"
+                        r"|sessions)", re.IGNORECASE)
+_BULK_KINDS = ("campaign", "automation")          # held by the warm-up's daily cap
+_WARMUP_KINDS = _BULK_KINDS + ("transactional",)  # counted toward it
+
+
+def _rate_domain(address):
+    """The receiving domain of an address after the alias table: one
+    receiver's domains count as one (googlemail.com is gmail.com; hotmail.*,
+    outlook.*, live.* and msn.com are outlook.com)."""
+    domain = address.rpartition("@")[2].lower()
+    if domain == "googlemail.com":
+        return "gmail.com"
+    if domain == "msn.com" or "." in domain and domain.partition(".")[0] in (
+            "hotmail", "outlook", "live"):
+        return "outlook.com"
+    return domain
+
+
+def _domain_patterns(domain):
+    """LIKE patterns of the addresses of a domain (_rate_domain()); the
+    outbox's to_addr compares without case on both engines.  A domain holds
+    no ``%``; a ``_`` matching any one character only skips a little more."""
+    return {"gmail.com": ["%@gmail.com", "%@googlemail.com"],
+            "outlook.com": ["%@hotmail.%", "%@outlook.%", "%@live.%", "%@msn.com"]
+            }.get(domain, ["%@" + domain])
+
+
+def _slows_down(code, reply):
+    return (code in (421, 450, 451, 452, 454) or reply.startswith("4.7.")) \
+        and bool(_SLOW_DOWN.search(reply))
+
+
+def _parse_domain_rates(value):
+    """``{domain: (emails, unit seconds)}`` of the setting ``domain_rates``:
+    ``{"gmail.com": "100/m", "*": "20/s"}`` or strings ``"DOMAIN=N/UNIT"``
+    (what ``--domain-rate`` gives); ValueError when one cannot be read."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        items = [str(item).partition("=")[::2] for item in
+                 ((value,) if isinstance(value, str) else value or ())]
+    rates = {}
+    for domain, rate in items:
+        domain = str(domain).strip().lower()
+        match = re.fullmatch(r"\s*(\d{1,9}(?:\.\d{1,6})?)\s*/\s*([smh])\s*", str(rate))
+        if not (match and float(match[1]) >= 1 and (domain == "*" or re.fullmatch(
+                rf"{_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+", domain))):
+            raise ValueError(f"domain_rates takes DOMAIN=N/UNIT (N at least 1, UNIT s, m or h, "
+                             f"DOMAIN a domain name or * for the others), such as "
+                             f"gmail.com=100/m, not {domain}={rate}")
+        rates["*" if domain == "*" else _rate_domain("@" + domain)] = (
+            float(match[1]), _RATE_UNITS[match[2]])
+    return rates
+
+
+def _parse_warmup(caps, start):
+    """``(caps, start date or None)`` of the settings ``warmup`` ("50,100,...",
+    or numbers) and ``warmup_start`` ("YYYY-MM-DD" or empty); ValueError."""
+    items = caps.split(",") if isinstance(caps, str) else list(caps or ())
+    try:
+        caps = tuple(int(str(cap).strip()) for cap in items if str(cap).strip())
+        start = datetime.date.fromisoformat(start) if start else None
+    except ValueError:
+        caps = None
+    if caps is None or any(cap < 1 for cap in caps):
+        raise ValueError("warmup takes daily caps such as 50,100,500 (whole numbers from 1) and "
+                         "warmup_start a date YYYY-MM-DD")
+    return caps, start
+
+
+def _day_text(now):
+    """The UTC day of Unix time ``now``, YYYY-MM-DD."""
+    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).date().isoformat()
+
+
+def _rate_text(rate, unit):
+    letter = next(name for name, seconds in _RATE_UNITS.items() if seconds == unit)
+    return f"{round(rate, 2):g}/{letter}"
+
+
+def _paced_rate(pace, configured, now):
+    """``(rate now, raised)`` of a domain_pace row: halved rates rise by a
+    tenth of ``configured`` for each _QUIET seconds without a slow-down."""
+    rate = min(configured, pace["rate"] if pace["rate"] is not None else configured)
+    raised, quiet = pace["raised"], max(pace["slowed"], pace["raised"])
+    if rate < configured and now - quiet >= _QUIET:
+        steps = (now - quiet) // _QUIET
+        rate, raised = min(configured, rate + steps * configured / 10), quiet + steps * _QUIET
+    return rate, raised
+
+
+class _Pace:
+    """The settings ``domain_rates``, ``warmup`` and ``warmup_start`` as one
+    deliver() applies them in its claims."""
+
+    def __init__(self, domain_rates=None, warmup=(), warmup_start=""):
+        self.rates = _parse_domain_rates(domain_rates)
+        self.caps, self.start = _parse_warmup(warmup, warmup_start)
+
+    def rule(self, domain):
+        return self.rates.get(domain) or self.rates.get("*")
+
+    def skipped(self, conn, now):
+        """``(SQL, params)`` to add to the claim's WHERE: not the addresses of
+        a domain whose window is full."""
+        if not self.rates:
+            return "", ()
+        patterns = [pattern for (domain,) in conn.execute(
+            "SELECT domain FROM domain_pace WHERE full_until > ?", (now,)) if self.rule(domain)
+            for pattern in _domain_patterns(domain)]
+        if not patterns:
+            return "", ()
+        return "AND NOT (" + " OR ".join("to_addr LIKE ?" for _ in patterns) + ") ", patterns
+
+    def warmup(self, conn, now, lock=True):
+        """``(day number from 1 or None, cap or None, sent today)``; with
+        ``lock``, today's row is made and locked until the transaction ends."""
+        today = datetime.date.fromisoformat(_day_text(now))
+        if lock:
+            conn.execute("INSERT INTO send_day (day) VALUES (?) ON CONFLICT DO NOTHING",
+                         (today.isoformat(),))
+            conn.execute("UPDATE send_day SET sent = sent WHERE day = ?", (today.isoformat(),))
+        sent = conn.execute("SELECT coalesce(sum(sent), 0) FROM send_day WHERE day = ?",
+                            (today.isoformat(),)).fetchone()[0]
+        if not self.caps:
+            return None, None, sent
+        start = self.start or datetime.date.fromisoformat(conn.execute(
+            "SELECT coalesce(min(day), ?) FROM send_day WHERE bulk > 0",
+            (today.isoformat(),)).fetchone()[0])
+        day = max(0, (today - start).days)
+        return day + 1, self.caps[day] if day < len(self.caps) else None, sent
+
+    def admit(self, conn, rows, now):
+        """Inside the claim's transaction: the claimed rows that go now; the
+        others are queued again, due when their domain's window ends or (over
+        the warm-up's cap) at the next UTC day."""
+        waiting = {}
+        counted = [row for row in rows if row["kind"] in _WARMUP_KINDS]
+        if counted:
+            _, cap, sent = self.warmup(conn, now)
+            tomorrow = (now // 86400 + 1) * 86400
+            for row in counted:
+                if row["kind"] in _BULK_KINDS and cap is not None and sent >= cap:
+                    waiting[row["id"]] = tomorrow
+                else:
+                    sent += 1   # admitted, unless its domain's rate holds it below
+        groups = {}
+        for row in rows:
+            domain = _rate_domain(row["to_addr"])
+            if row["id"] not in waiting and self.rule(domain):
+                groups.setdefault(domain, []).append(row)
+        for domain in sorted(groups):   # the same lock order in every worker
+            configured, unit = self.rule(domain)
+            conn.execute("INSERT INTO domain_pace (domain) VALUES (?) ON CONFLICT DO NOTHING",
+                         (domain,))
+            conn.execute("UPDATE domain_pace SET configured = ?, unit = ? WHERE domain = ?",
+                         (configured, unit, domain))
+            pace = conn.execute("SELECT * FROM domain_pace WHERE domain = ?", (domain,)).fetchone()
+            rate, raised = _paced_rate(pace, configured, now)
+            window = now - now % unit
+            used = pace["used"] if pace["win"] == window else 0
+            room = max(0, int(rate) - used)
+            for row in groups[domain][room:]:
+                waiting[row["id"]] = window + unit
+            used += min(room, len(groups[domain]))
+            conn.execute("UPDATE domain_pace SET rate = ?, raised = ?, win = ?, used = ?, "
+                         "full_until = ? WHERE domain = ?",
+                         (rate, raised, window, used, window + unit if used >= int(rate) else 0,
+                          domain))
+        going = [row for row in rows if row["id"] not in waiting]
+        if counted:
+            conn.execute("UPDATE send_day SET sent = sent + ?, bulk = bulk + ? WHERE day = ?", (
+                sum(row["kind"] in _WARMUP_KINDS for row in going),
+                sum(row["kind"] in _BULK_KINDS for row in going),
+                _day_text(now)))
+        if waiting:
+            conn.executemany(
+                "UPDATE outbox SET status = 'queued', claimed_by = NULL, claimed_at = NULL, "
+                "next_try = ? WHERE id = ?",
+                [(_time_text(datetime.datetime.fromtimestamp(due, datetime.timezone.utc)), id_)
+                 for id_, due in waiting.items()])
+        return going
+
+
+def _tally_domains(conn, tally, rates, now):
+    """Inside a transaction: the emails sent and deferred per domain
+    (``tally``: ``{domain: [sent, deferred, slowed]}``); a "slow down"
+    deferral halves the domain's rate (at most once a window of its unit, a
+    minute at most: the emails in flight went at the old rate), never below
+    one email a unit."""
+    minute = now // 60
+    for domain in sorted(tally):
+        sent, deferred, slowed = tally[domain]
+        conn.execute("INSERT INTO domain_pace (domain, sent, deferred) VALUES (?, ?, ?) "
+                     "ON CONFLICT (domain) DO UPDATE SET sent = domain_pace.sent + excluded.sent, "
+                     "deferred = domain_pace.deferred + excluded.deferred",
+                     (domain, sent, deferred))
+        conn.execute("INSERT INTO domain_minute (domain, minute, sent, deferred) VALUES (?, ?, ?, ?) "
+                     "ON CONFLICT (domain, minute) DO UPDATE SET "
+                     "sent = domain_minute.sent + excluded.sent, "
+                     "deferred = domain_minute.deferred + excluded.deferred",
+                     (domain, minute, sent, deferred))
+        rule = rates.get(domain) or rates.get("*")
+        if slowed and rule:
+            pace = conn.execute("SELECT * FROM domain_pace WHERE domain = ?", (domain,)).fetchone()
+            rate, _ = _paced_rate(pace, rule[0], now)
+            halve = now - pace["halved"] >= min(rule[1], 60)
+            conn.execute("UPDATE domain_pace SET slowed = ?, halved = ?, rate = ?, raised = 0 "
+                         "WHERE domain = ?", (now, now if halve else pace["halved"],
+                                              max(1.0, rate / 2) if halve else rate, domain))
+    conn.execute("DELETE FROM domain_minute WHERE minute < ?", (minute - 120,))
+    tally.clear()
+
+
+def _uncount_day(conn, unsent, now):
+    """Inside a transaction: the warm-up counts emails sent, so those it
+    admitted that did not go (deferred, failed, skipped, not tried) come off
+    today's figures; ``unsent``: [others, bulk], emptied."""
+    conn.execute("UPDATE send_day SET sent = CASE WHEN sent > ? THEN sent - ? ELSE 0 END, "
+                 "bulk = CASE WHEN bulk > ? THEN bulk - ? ELSE 0 END WHERE day = ?",
+                 (sum(unsent), sum(unsent), unsent[1], unsent[1], _day_text(now)))
+    unsent[:] = [0, 0]
+
+
+def _deliverability(conn, config):
+    """The deliverability record: the service's per-domain rates, their last
+    hour, what waits for each, and the warm-up's day."""
+    pace, now = _Pace(config["domain_rates"], config["warmup"], config["warmup_start"]), \
+        int(time.time())
+    paces = {row["domain"]: row for row in conn.execute("SELECT * FROM domain_pace")}
+    hour = {domain: (sent, deferred) for domain, sent, deferred in conn.execute(
+        "SELECT domain, sum(sent), sum(deferred) FROM domain_minute WHERE minute > ? "
+        "GROUP BY domain", (now // 60 - 60,))}
+    queued = {}
+    for domain, count in conn.execute(
+            f"SELECT {conn.sql['address_domain'].format(expr='to_addr')} AS d, count(*) "
+            "FROM outbox WHERE status = 'queued' GROUP BY d"):
+        queued[_rate_domain("@" + domain)] = queued.get(_rate_domain("@" + domain), 0) + count
+    domains = []
+    for domain in sorted({d for d in pace.rates if d != "*"} | set(hour) | set(queued) | {
+            d for d, row in paces.items() if row["rate"] is not None and row["configured"]
+            and row["rate"] < row["configured"]}):
+        rule, row = pace.rule(domain), paces.get(domain)
+        rate = rule and (_paced_rate(row, rule[0], now)[0] if row else rule[0])
+        sent, deferred = hour.get(domain, (0, 0))
+        domains.append({"domain": domain, "rate": rule and _rate_text(rate, rule[1]),
+                        "configured": rule and _rate_text(*rule), "sent_hour": str(sent),
+                        "deferred_hour": str(deferred), "queued": str(queued.get(domain, 0))})
+    day, cap, sent = pace.warmup(conn, now, lock=False)
+    return {"id": "0", "domains": domains, "warmup": {
+        "day": day and str(day), "cap": cap and str(cap), "sent_today": str(sent)}}
+
+
+def _deliverability_get(call, record_id):
+    if record_id != 0:
+        raise NotFound("There is one deliverability record, the service's: "
+                       "GET /v1/deliverability/0.")
+    return {"deliverability": _deliverability(call.conn, call.service.config)}
+
+
 _COUNTS = ("sent", "retried", "failed", "bounced", "skipped", "requeued")
 
 
@@ -9323,10 +9610,22 @@ class _Courier:
         self.smtp = None
         self.looked = time.monotonic()   # when it last looked for dead workers' leases
         self.letters, self.fields = {}, {}  # per (batch, message) and per datasource
+        self.tally = {}   # per domain: [sent, deferred, slowed] not yet written
+        self.unsent = [0, 0]   # emails the warm-up counted that did not go: [other, bulk]
 
     # The database side.
 
     def claim(self):
+        """Claim the next chunk of due rows; of those, the ones the domains'
+        rates and the warm-up admit now (a chunk they all wait out is
+        followed by another, a few times at most)."""
+        for _ in range(8):
+            rows, claimed = self.claim_chunk()
+            if rows or not claimed:
+                return rows
+        return []
+
+    def claim_chunk(self):
         due = self.run.now or _now()
         with transaction(self.conn):
             if time.monotonic() - self.looked >= _CLAIM_RENEW:
@@ -9335,14 +9634,21 @@ class _Courier:
                 _take_back(self.conn, _time_text(self.run.now) if self.run.now else _now(),
                            self.run.stale_claim)
             # On PostgreSQL each worker takes rows no other has locked.
+            # Not those of a domain whose rate's window is full (_Pace).
+            clock = int(time.time())
+            skip, skipped = self.run.pace.skipped(self.conn, clock)
             rows = self.conn.execute(
                 "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
                 "WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' AND next_try <= ? "
-                f"ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) AND status = 'queued' "
+                f"{skip}ORDER BY next_try LIMIT ? {self.conn.sql['skip_locked']}) "
+                "AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
                 "html, attempts, fromname, fromaddress, replyto, campaign, base_url",
-                (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
-        return rows
+                (self.run.worker_id, _now(), due, *skipped, self.run.chunk)).fetchall()
+            claimed = len(rows)
+            if rows:
+                rows = self.run.pace.admit(self.conn, rows, clock)
+        return rows, claimed
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows
@@ -9376,6 +9682,10 @@ class _Courier:
                 [(*result, worker) for result in results])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
+            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
+                _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
+            if any(self.unsent) and attempting is None:
+                _uncount_day(self.conn, self.unsent, int(time.time()))
             if attempting is not None:
                 mine = self.conn.execute(
                     "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
@@ -9552,6 +9862,8 @@ class _Courier:
         def outcome(row, counted, status, attempts, next_try=None, error=None, sent=None):
             results.append((status, attempts, next_try, error, sent, row["id"]))
             counts[counted] += 1
+            if counted != "sent" and row["kind"] in _WARMUP_KINDS:   # admitted, not sent
+                self.unsent[row["kind"] in _BULK_KINDS] += 1
 
         for row in rows:
             attempts = row["attempts"] + 1
@@ -9571,7 +9883,7 @@ class _Courier:
                         error="the recipient unsubscribed, bounced or was removed")
                 continue
             sender, data = built
-            run.pace.wait(run.stop)
+            run.pacer.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
             if not self.record(results, bounces, attempting=row["id"]):
@@ -9589,11 +9901,16 @@ class _Courier:
                 outcome(row, "requeued", "queued", row["attempts"],
                         _shift(_now(), _CONNECTION_RETRY), unreachable)
                 continue
+            tally = self.tally.setdefault(_rate_domain(row["to_addr"]), [0, 0, False])
             if reply is None:
+                tally[0] += 1
                 outcome(row, "sent", "sent", attempts, sent=_now())
                 continue
             code, text = reply
             error = f"{code} {text}"
+            if 400 <= code < 500:   # a deferral; "slow down" halves the domain's rate
+                tally[1] += 1
+                tally[2] = tally[2] or _slows_down(code, text)
             if 400 <= code < 500 and attempts < run.max_attempts:
                 delay = min(_RETRY_BASE * 2 ** row["attempts"], _RETRY_CAP)
                 outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
@@ -9634,8 +9951,9 @@ class _Run:
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
                  sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
-                 on_event=None, bounce_domain="", stale_claim=_STALE_CLAIM):
+                 on_event=None, bounce_domain="", stale_claim=_STALE_CLAIM, pace=None):
         self.db = db
+        self.pace = pace or _Pace()
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
         self.rate, self.chunk, self.worker_id, self.sign = rate, chunk, worker_id, sign
@@ -9644,7 +9962,7 @@ class _Run:
         self.on_event = on_event
         self.bounce_domain = bounce_domain
         self.stale_claim = stale_claim
-        self.pace = _RateLimit(rate)
+        self.pacer = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
@@ -9678,7 +9996,8 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=_MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None, stale_claim=_STALE_CLAIM, on_event=None, bounce_domain=""):
+            stop=None, stale_claim=_STALE_CLAIM, on_event=None, bounce_domain="",
+            domain_rates=None, warmup=(), warmup_start=""):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
@@ -9714,9 +10033,13 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         bounces after their commit (see emit()).
     :param bounce_domain: the setting ``bounce_domain``: campaign emails get the
         VERP envelope sender ``bounces+TOKEN@bounce_domain``.
+    :param domain_rates: the setting ``domain_rates``: at most so many emails
+        an interval to each receiving domain, counted with every worker of
+        the database (see _Pace); ``warmup`` and ``warmup_start`` the daily caps.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = _smtp_address(smtp)
+    pace = _Pace(domain_rates, warmup, warmup_start)
     conn = connect(db)
     try:
         if secret is None:
@@ -9746,7 +10069,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         mail_from=mail_from or _default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
         stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain,
-        stale_claim=stale_claim)
+        stale_claim=stale_claim, pace=pace)
     couriers = [_Courier(run) for _ in range(max(1, connections))]
     done = threading.Event()
     threading.Thread(target=_renew_leases, args=(run, done), daemon=True,
@@ -10223,6 +10546,10 @@ _RECORD_SCHEMAS = {
     "verify": _record_schema(
         "id campaign passed checks verified", passed=_FLAG_ANSWER,
         checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
+    "deliverability": _record_schema(
+        "id domains warmup", domains={"type": "array", "items": _record_schema(
+            "domain rate configured sent_hour deferred_hour queued")},
+        warmup=_record_schema("day cap sent_today")),
     "check": _record_schema("check passed message", check={"type": "string"},
                             passed=_FLAG_ANSWER, message={"type": "string"}),
     "archive": _record_schema("id campaign batches " + " ".join(_STATISTICS) + " links timeline",
@@ -10740,6 +11067,8 @@ ROUTES = [
 
     # Webhooks: stored events posted to services elsewhere, signed
     Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),
+    Route("GET",    "/deliverability/{id}", "read", _deliverability_get, answers="deliverability",
+          summary="The service's per-domain rates, their last hour and the warm-up's day"),
     Route("PUT",    "/webhook/{id}", "create", WEBHOOK.create, answers=_ANSWER_WEBHOOK,
           summary="Create webhook (answers its signing secret, once)"),
     Route("POST",   "/webhook/{id}", "write",  WEBHOOK.change),
@@ -10825,14 +11154,16 @@ def create_app(db="campaignapi.db", **config):
     :param db: path of the SQLite file; created with the schema if new.
     :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
     :raises ValueError: a bounce setting that cannot work (bounce_domain,
-        postmark_credentials, sendgrid_public_key, ses_topic_arns), or an
-        allowed_hosts pattern that is no host name.
+        postmark_credentials, sendgrid_public_key, ses_topic_arns), an
+        allowed_hosts pattern that is no host name, or domain_rates, warmup or
+        warmup_start that cannot be read.
     """
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"create_app() got unknown settings: {', '.join(sorted(unknown))}")
     config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
     config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
+    _Pace(config["domain_rates"], config["warmup"], config["warmup_start"])   # ValueError
     init_db(db)
     service = _Service(db, config)
     service.sns_fetch, service.sns_cert_host = _fetch_https, _SNS_CERT_HOST
@@ -10991,6 +11322,23 @@ def _imap(text):
 @_argument_type
 def _allowed_host(text):
     return _checked_hosts(text)[0]
+
+
+@_argument_type
+def _domain_rate(text):
+    _parse_domain_rates([text])
+    return text
+
+
+@_argument_type
+def _warmup(text):
+    return _parse_warmup(text, "")[0]
+
+
+@_argument_type
+def _warmup_start(text):
+    _parse_warmup((), text)
+    return text
 
 
 @_argument_type
@@ -11165,7 +11513,8 @@ def _cmd_serve(args):
         public_url = "" if args.allowed_host and not args.public_url else options["public_url"]
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
-            app = create_app(args.db, public_url=public_url, max_body=args.max_body,
+            pace = {name: options[name] for name in ("domain_rates", "warmup", "warmup_start")}
+            app = create_app(args.db, public_url=public_url, max_body=args.max_body, **pace,
                              allowed_hosts=tuple(args.allowed_host or ()),
                              webhook_allow_private=args.webhook_allow_private,
                              templates_dir=args.templates_dir or "", signup_rate=args.signup_rate,
@@ -11335,6 +11684,17 @@ def _add_delivery_options(parser):
     parser.add_argument("--templates-dir", default=None, type=_folder, metavar="DIR",
                         help="where template files named by a campaign's defaulttemplate live "
                              "(NAME.html, NAME.txt) (default: none, template records only)")
+    group.add_argument("--domain-rate", action="append", default=None, type=_domain_rate,
+                       metavar="DOMAIN=N/UNIT",
+                       help="at most N emails a second, minute or hour (UNIT s, m or h) to the "
+                            "addresses of DOMAIN (* for every other domain), counted with every "
+                            "worker of the database; repeatable (default: no limit)")
+    group.add_argument("--warmup", default=None, type=_warmup, metavar="N,N,...",
+                       help="daily caps of campaign and automation emails, day by day from "
+                            "--warmup-start (default: none)")
+    group.add_argument("--warmup-start", default=None, type=_warmup_start, metavar="YYYY-MM-DD",
+                       help="the first day of --warmup (default: the day of the first campaign "
+                            "email)")
     group.add_argument("--bounce-domain", default=None, type=_domain, metavar="DOMAIN",
                        help="VERP: each campaign email's envelope sender is bounces+TOKEN@DOMAIN, "
                             "so a later bounce names its email (default: none)")
@@ -11376,7 +11736,14 @@ def _worker_options(args):
             "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or "",
             "webhook_allow_private": args.webhook_allow_private,
             "templates_dir": args.templates_dir or "",
-            "bounce_domain": args.bounce_domain or "", "bounce_mailbox": _mailbox_options(args)}
+            "bounce_domain": args.bounce_domain or "", "bounce_mailbox": _mailbox_options(args),
+            **_pace_settings(args)}
+
+
+def _pace_settings(args):
+    """The deliverability settings of the command line (serve and worker)."""
+    return {"domain_rates": tuple(args.domain_rate or ()), "warmup": args.warmup or (),
+            "warmup_start": args.warmup_start or ""}
 
 
 def _cmd_key(args):
