@@ -3432,6 +3432,75 @@ class _LinkFinder(html.parser.HTMLParser):
             self.body_end = self.getpos()
 
 
+class _TextMaker(html.parser.HTMLParser):
+    """The text body of an html body: blocks on lines of their own, list items
+    as ``- ``, a link as ``text (url)``, an image as its alt text; <head>,
+    <style> and <script> left out.  html.parser rather than a converter
+    package: html2text is GPL-3.0 (this module is MIT) and inscriptis brings
+    lxml and requests and writes links as ``[text](url)``; an email's html is
+    simple, and the parser is the one tracking already reads it with."""
+
+    _BLOCKS = frozenset("address article aside blockquote center dd div dl dt footer form h1 h2 "
+                        "h3 h4 h5 h6 header hr li main nav ol p pre section table tbody thead "
+                        "tfoot tr ul".split())
+    _HIDDEN = frozenset(("head", "style", "script", "title", "template"))
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.out, self.hidden, self.anchors = [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in self._HIDDEN:
+            self.hidden += 1
+        elif tag == "body":
+            self.hidden = 0   # a <head> never closed
+        elif tag == "br":
+            self.out.append("\n")
+        elif tag in self._BLOCKS:
+            self.gap(2 if tag in ("p", "h1", "h2", "h3", "table") else 1)
+            if tag == "li":
+                self.out.append("- ")
+        elif tag in ("td", "th"):
+            self.out.append(" ")
+        elif tag == "img" and attrs.get("alt") and not self.hidden:
+            self.out.append(f" {attrs['alt']} ")
+        if tag == "a":
+            self.anchors.append(((attrs.get("href") or "").strip(), len(self.out)))
+
+    def handle_endtag(self, tag):
+        if tag in self._HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        elif tag in self._BLOCKS:
+            self.gap(2 if tag in ("p", "h1", "h2", "h3", "table") else 1)
+        if tag == "a" and self.anchors:
+            href, start = self.anchors.pop()
+            text = " ".join("".join(self.out[start:]).split())
+            if href and not href.startswith(("#", "javascript:")) and href != text:
+                self.out.append(f" ({href})" if text else href)
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.out.append(re.sub(r"\s+", " ", data))
+
+    def gap(self, lines):
+        """End the text so far with at least ``lines`` line breaks (blank
+        space between them does not count)."""
+        tail = "".join(self.out[-8:]).rstrip(" ")
+        have = len(tail) - len(tail.rstrip("\n")) if tail.strip() else lines
+        self.out.append("\n" * max(0, lines - have))
+
+
+def _html_text(html_body):
+    """A text body made from ``html_body`` (links kept as ``text (url)``,
+    merge tags kept as tags): what a message with html and no text sends."""
+    maker = _TextMaker()
+    maker.feed(html_body or "")
+    maker.close()
+    lines = [" ".join(line.split()) for line in "".join(maker.out).split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
 def _href_span(source, attrs):
     """(start, end) of the first href value in a start tag's ``source``, quotes
     included; None where our reading differs from the parser's ``attrs``."""
@@ -3735,7 +3804,9 @@ def _campaign_letter(sender, sent, campaign, account, base, mail_from):
     """The Letter of a campaign's prepared message ``sent`` as ``sender``
     (``{"fromname", "fromaddress", "replyto"}``, empty: ``mail_from``): the
     campaign's List-Id, its unsubscribe links pointing at ``base``."""
-    letter = _Letter(sender["fromaddress"] or mail_from, sent["subject"], sent["text"],
+    # A message with html and no text gets a text body made from the html.
+    text = sent["text"] or (_html_text(sent["html"]) if sent["html"] else "")
+    letter = _Letter(sender["fromaddress"] or mail_from, sent["subject"], text,
                     sent["html"], from_name=sender["fromname"] or "",
                     reply_to=sender["replyto"] or "",
                     list_id=f"<campaign-{campaign}.{account}.campaignapi>")
