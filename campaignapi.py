@@ -48,6 +48,7 @@ import argparse
 import base64
 import binascii
 import codecs
+import collections
 import concurrent.futures
 import contextlib
 import csv
@@ -77,11 +78,13 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import smtplib
 import socket
 import sqlite3
 import ssl
+import subprocess
 import sys
 import tempfile
 import threading
@@ -142,6 +145,11 @@ DEFAULT_CONFIG = {
     "domain_rates": (),
     "warmup": (),
     "warmup_start": "",
+    # Verify's spam check: the SpamAssassin program (spamc or spamassassin;
+    # empty: spamc when a spamd answers, else spamassassin, from the PATH)
+    # and the score at or above which the check fails.
+    "spamassassin": "",
+    "spam_threshold": 5.0,
 }
 
 SCHEMA_VERSION = 9
@@ -3397,6 +3405,15 @@ _OPEN_URL_TAG = "open_url"
 _CLICK_URL_TAG = "click_url_{}"
 _PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
           'style="display:block;width:1px;height:1px;border:0;margin:0;padding:0">')
+#: The open signal of a short html: SpamAssassin's HTML_IMAGE_ONLY_* rules
+#: score any <img> in an html part shorter than _IMAGE_ONLY_LENGTH bytes (up
+#: to 2.8 points for the pixel alone), so there the same URL is a CSS
+#: background of an empty 1x1 block instead: no image element, no points.
+#: (Mail clients that show no CSS backgrounds, Outlook for Windows among
+#: them, report no open for such an email; longer emails keep the <img>.)
+_PIXEL_BACKGROUND = ('<div style="background-image:url({{open_url}});width:1px;height:1px;'
+                     'font-size:1px;line-height:1px">&nbsp;</div>')
+_IMAGE_ONLY_LENGTH = 3200
 #: A transparent 1x1 GIF89a (43 bytes), the answer of the open URL.
 _GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
              b"!\xf9\x04\x01\x00\x00\x00\x00"
@@ -3545,7 +3562,8 @@ def _track_html(html_template):
     Every ``<a href>`` holding an http(s) URL gets the merge tag
     ``{{click_url_N}}`` (N from 0, in document order) as its value, and an
     open image ``<img src="{{open_url}}">`` goes before ``</body>`` (or at
-    the end).  The unsubscribe link, mailto:, tel:, anchors and links in
+    the end; in a short html a CSS background carries it, _PIXEL_BACKGROUND).
+    The unsubscribe link, mailto:, tel:, anchors and links in
     comments or scripts stay.  Nothing else changes: the edits are made by
     source position, the document is not written out again.
 
@@ -3584,7 +3602,9 @@ def _track_html(html_template):
         links.append(url)
     if finder.body_end:
         end = min(end, offset(finder.body_end))
-    edits.append((end, end, _PIXEL))
+    # The filled html is longer than the template: each URL by about 100 bytes.
+    short = len(source) + len(_PIXEL) + 100 * (len(links) + 2) < _IMAGE_ONLY_LENGTH
+    edits.append((end, end, _PIXEL_BACKGROUND if short else _PIXEL))
     out, done = [], 0
     for begin, stop, text in edits:  # in source order: the pixel is after every link
         out += (source[done:begin], text)
@@ -6327,7 +6347,14 @@ def _campaign_structure_get(call, child_id):
 def _campaign_verify_get(call, child_id):
     _whole_campaign(call.parent["id"], child_id, "verify")
     return {"verify": verify_campaign(call.conn, call.account, call.parent["id"],
-                                      call.service.config["templates_dir"])}
+                                      call.service.config["templates_dir"],
+                                      settings=_verify_settings(call))}
+
+
+def _verify_settings(call):
+    """verify_campaign()'s ``settings`` for a request (links=1 asks for the links check)."""
+    return {**call.service.config, "secret": call.service.secret,
+            "links": bool(call.get("links"))}
 
 
 def _label(kind, row):
@@ -6338,8 +6365,8 @@ class _Campaign:
     """What verify's checks look at: the campaign, its sender profile, its
     links, and the messages and segments they name (by id)."""
 
-    def __init__(self, conn, account, campaign_id, templates_dir=""):
-        self.conn, self.id = conn, campaign_id
+    def __init__(self, conn, account, campaign_id, templates_dir="", settings=None):
+        self.conn, self.id, self.settings = conn, campaign_id, settings or {}
         self.row = CAMPAIGN.find(conn, account, campaign_id)
         self.template, self.template_problem = None, None
         try:
@@ -6607,7 +6634,7 @@ def _verify_header_line_breaks(c):
             ], "No header value holds a line break."
 
 
-def verify_campaign(conn, account, campaign_id, templates_dir=""):
+def verify_campaign(conn, account, campaign_id, templates_dir="", *, settings=None):
     """Check whether campaign ``campaign_id`` can be sent; the verify record.
 
     Every check of _VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
@@ -6618,8 +6645,12 @@ def verify_campaign(conn, account, campaign_id, templates_dir=""):
     :param account: the id of the account that owns the campaign (404 if not).
     :param campaign_id: the campaign to check.
     :param templates_dir: where template files named by defaulttemplate are.
+    :param settings: what the deliverability checks (size, links, spam) use:
+        ``public_url`` and ``secret`` (the links of the emails they build),
+        ``links`` (check every link), ``webhook_allow_private``,
+        ``spamassassin``, ``spam_threshold``; None: their defaults.
     """
-    campaign = _Campaign(conn, account, campaign_id, templates_dir)
+    campaign = _Campaign(conn, account, campaign_id, templates_dir, settings)
     checks = []
     for name, check in _VERIFY_CHECKS:
         problems, passed_message = check(campaign)
@@ -6814,7 +6845,8 @@ def _verified(call, campaign_id, only=None):
     """Refuse (409 verification_failed, with the checks) a campaign that fails
     verify; ``only``: the names of the checks that count."""
     report = verify_campaign(call.conn, call.account, campaign_id,
-                             call.service.config["templates_dir"])
+                             call.service.config["templates_dir"],
+                             settings=_verify_settings(call))
     failing = [check for check in report["checks"] if check["passed"] != "1"
                and (only is None or check["check"] in only)]
     if failing:
@@ -8201,7 +8233,8 @@ def _read_http_body(sock, deadline, headers, data, limit):
 
 def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_response,
                    context, read_body):
-    """One request to the checked address of ``url``: (status, body or None)."""
+    """One request to the checked address of ``url``: (status, body), or
+    without ``read_body`` (status, the answer's headers by lower-case name)."""
     deadline = time.monotonic() + timeout
     scheme, host, port, target, host_header = _http_target(url)
     sock = _connect(_checked_addresses(host, port, allow_private, deadline), deadline)
@@ -8221,7 +8254,7 @@ def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_re
         _send_all(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body, deadline)
         status, answer_headers, rest = _read_head(sock, deadline, max_response)
         if not read_body:
-            return status, None
+            return status, answer_headers
         return status, _read_http_body(sock, deadline, answer_headers, rest, max_response)
     finally:
         sock.close()
@@ -8296,6 +8329,249 @@ def _fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_by
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return body
+
+
+# Verify's deliverability checks: size, links, spam ------------------------------
+#
+# Each looks at emails as a recipient gets them: samples ``(label, raw email,
+# key)``, ``key`` naming the content (the score of the same content is kept).
+# A campaign's verify builds its samples with _campaign_samples(); another
+# verify (an automation's) builds its own and calls the same _size_check(),
+# _links_check() and _spam_check(), each giving ``(problems, passed message)``.
+
+#: Gmail clips an email whose html is larger than this many bytes.
+_CLIP_SIZE = 102 * 1024
+#: The links check: seconds per link, redirects followed, links checked at
+#: once, and at most so many distinct links a verify.
+_LINK_TIMEOUT, _LINK_REDIRECTS, _LINK_WORKERS, _LINK_MAX = 5.0, 5, 8, 200
+#: Seconds a SpamAssassin run may take; scores kept by content (in the process).
+_SPAM_TIMEOUT = 120
+_SPAM_SCORES = collections.OrderedDict()
+_SPAM_KEPT = 256
+_SPAMD_LOOK = {}   # spamc path -> (monotonic time, spamd answered) of the last look
+
+
+def _sample_parts(raw):
+    """``(html, text)`` of a raw email, decoded ('' where a part is missing)."""
+    parsed = email.message_from_bytes(raw, policy=email.policy.default)
+    parts = []
+    for kind in ("html", "plain"):
+        body = parsed.get_body((kind,))
+        parts.append(body.get_content() if body is not None else "")
+    return parts
+
+
+def _campaign_samples(c, settings):
+    """The samples of a verified campaign (_Campaign): each live message as
+    delivery builds it, in its template with the CSS inlined and tracking when
+    the campaign has it on, for the first recipient of its segment (blank
+    values when there is none), its links pointing at ``public_url``."""
+    if getattr(c, "samples", None) is not None:
+        return c.samples
+    base = (settings.get("public_url") or "https://campaignapi.invalid").rstrip("/")
+    secret = settings.get("secret") or "verify"
+    campaign = {"id": c.id, "owner": c.row["owner"], "accountprofile": c.row["accountprofile"]}
+    c.samples, seen = [], set()
+    for link in c.links:
+        message, segment = c.messages[link["message"]], c.segments[link["segment"]]
+        if message["deleted"] or message["id"] in seen:
+            continue
+        seen.add(message["id"])
+        sent = _prepare_message(message, c.template)
+        letter = _message_letter(c.conn, campaign, message, sent, base, _default_mail_from())
+        recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
+        values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
+            _datasource_fields(c.conn, recipient["datasource"]), recipient)
+        if c.row["tracking"] and sent["html"]:
+            tracked, links = _track_html(sent["html"])
+            letter.html = _Template(tracked)
+            values.update(_tracking_values(secret, base, 0, len(links)))
+        to_addr = recipient["email"] if recipient else "recipient@example.com"
+        _, raw = _recipient_email(letter, secret, to_addr, values,
+                                  recipient["id"] if recipient else None,
+                                  message_id=message_id_for(secret, 0, letter.domain))
+        key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
+                                       c.row["tracking"]]).encode()).hexdigest()
+        c.samples.append((_label("message", message), raw, key))
+    c.own_links = base
+    return c.samples
+
+
+def _size_check(samples):
+    sizes = [(label, len(_sample_parts(raw)[0].encode("utf-8"))) for label, raw, _ in samples]
+    return [f"The html of {label} is {size / 1024:.0f} KB as sent (template, inlined CSS and "
+            "tracking included): Gmail clips an email past 102 KB and hides the rest, the "
+            "unsubscribe link too; shorten it or move content to a web page."
+            for label, size in sizes if size >= _CLIP_SIZE], (
+        "Every message's html is under 102 KB as sent" + (" (" + ", ".join(
+            f"{label}: {size / 1024:.1f} KB" for label, size in sizes) + ")." if sizes else "."))
+
+
+def _sample_links(raw, own):
+    """The distinct http(s) links of an email, but those to ``own`` (the
+    service's: unsubscribe, open, click)."""
+    html_body, text_body = _sample_parts(raw)
+    finder = _LinkFinder()
+    finder.feed(html_body)
+    finder.close()
+    urls = [value for _, _, attrs in finder.anchors for name, value in attrs
+            if name == "href" and value]
+    urls += re.findall(r"https?://[^\s<>\"')]+", text_body)
+    return {url.strip() for url in urls if url.strip().lower().startswith(("http://", "https://"))
+            and not url.strip().startswith(own + "/")}
+
+
+def _link_answer(url, allow_private):
+    """None when ``url`` answers with a status under 400 within
+    _LINK_TIMEOUT seconds (HEAD, then GET where HEAD is not allowed; at most
+    _LINK_REDIRECTS redirects, each to an address the webhooks' rules allow),
+    else what went wrong."""
+    deadline, method, redirects = time.monotonic() + _LINK_TIMEOUT, "HEAD", 0
+    while True:
+        try:
+            status, headers = _http_exchange(
+                method, url, {}, b"", allow_private=allow_private, timeout=_remaining(deadline),
+                max_response=65536, context=None, read_body=False)
+        except (OSError, ValueError) as error:
+            return _exchange_failure(error, _LINK_TIMEOUT)
+        if method == "HEAD" and status in (405, 501):
+            method = "GET"
+        elif status in (301, 302, 303, 307, 308) and headers.get("location"):
+            redirects += 1
+            if redirects > _LINK_REDIRECTS:
+                return f"redirects more than {_LINK_REDIRECTS} times"
+            url = urllib.parse.urljoin(url, headers["location"])
+        else:
+            return None if status < 400 else f"answered {status}"
+
+
+def _links_check(samples, settings, own=""):
+    """Every distinct link of the samples, _LINK_WORKERS at a time."""
+    if not settings.get("links"):
+        return [], "Links were not checked: verify with links=1 checks every link of every message."
+    urls = sorted(set().union(*(_sample_links(raw, own) for _, raw, _ in samples)))
+    checked = urls[:_LINK_MAX]
+    allow = bool(settings.get("webhook_allow_private"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_LINK_WORKERS) as pool:
+        answers = dict(zip(checked, pool.map(lambda url: _link_answer(url, allow), checked)))
+    failing = [f"{url} ({answer})" for url, answer in answers.items() if answer]
+    beyond = f" (the first {_LINK_MAX} of {len(urls)})" if len(urls) > _LINK_MAX else ""
+    return [f"These links do not answer with a status under 400 within "
+            f"{_LINK_TIMEOUT:g} seconds: {', '.join(failing)}; correct them in the messages."
+            ] if failing else [], f"Every link answers ({len(checked)} checked{beyond})."
+
+
+def _spam_program(setting):
+    """``(kind, path)`` of the SpamAssassin to score with: the setting
+    ``spamassassin`` (spamc or spamassassin), else spamc when a spamd
+    answers, else spamassassin (offline rules); None when there is none."""
+    if setting:
+        return ("spamc" if os.path.basename(setting).startswith("spamc") else "spamassassin",
+                setting)
+    spamc = shutil.which("spamc")
+    if spamc:
+        looked = _SPAMD_LOOK.get(spamc)
+        if looked is None or time.monotonic() - looked[0] > 60:
+            try:
+                answered = subprocess.run([spamc, "--connect-retries=1", "-K"],
+                                          capture_output=True, timeout=10).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                answered = False
+            looked = _SPAMD_LOOK[spamc] = (time.monotonic(), answered)
+        if looked[1]:
+            return "spamc", spamc
+    spamassassin = shutil.which("spamassassin")
+    return ("spamassassin", spamassassin) if spamassassin else None
+
+
+def _spam_rules(report):
+    """``{rule: points}`` of a SpamAssassin report's table."""
+    table = report[report.find("Content analysis details"):] if \
+        "Content analysis details" in report else report
+    return {name: float(points) for points, name in re.findall(
+        r"(?m)^\s*(-?\d+(?:\.\d+)?)\s+([A-Z][A-Z0-9_]+)\s", table)}
+
+
+def _spam_scores(program, raws):
+    """``[(score, {rule: points})]`` of raw emails: spamc one by one (spamd
+    is quick), spamassassin in one run over an mbox (its start is the slow
+    part), offline (-L)."""
+    kind, path = program
+    if kind == "spamc":
+        scores = []
+        for raw in raws:
+            done = subprocess.run([path, "--connect-retries=1", "-R"], input=raw,
+                                  capture_output=True, timeout=_SPAM_TIMEOUT)
+            report = done.stdout.decode("utf-8", "replace")
+            first = re.match(r"\s*(-?[\d.]+)/", report)
+            if first is None:
+                raise OSError(f"spamc answered no score: {done.stderr.decode(errors='replace')}")
+            scores.append((float(first.group(1)), _spam_rules(report)))
+        return scores
+    mbox = b"".join(b"From MAILER-DAEMON Thu Jan  1 00:00:00 2026\n" + re.sub(
+        rb"(?m)^(>*From )", rb">\1", raw.replace(b"\r\n", b"\n")) + b"\n" for raw in raws)
+    done = subprocess.run([path, "-t", "-L", "--mbox"], input=mbox, capture_output=True,
+                          timeout=_SPAM_TIMEOUT)
+    reports = [report for report in re.split(r"(?m)^From MAILER-DAEMON .*\n", done.stdout.decode(
+        "utf-8", "replace")) if report.strip()]
+    scores = []
+    for report in reports:
+        status = " ".join(re.findall(r"(?m)^X-Spam-Status:(.*(?:\n[ \t].*)*)", report)[:1])
+        score = re.search(r"score=(-?[\d.]+)", status)
+        if score is not None:
+            scores.append((float(score.group(1)), _spam_rules(report)))
+    if len(scores) != len(raws):
+        raise OSError(f"spamassassin scored {len(scores)} of {len(raws)} emails: "
+                      f"{done.stderr.decode(errors='replace')[-300:]}")
+    return scores
+
+
+def _spam_check(samples, settings):
+    """Each sample scored by SpamAssassin; fails at or above ``spam_threshold``."""
+    program = _spam_program(settings.get("spamassassin"))
+    if program is None:
+        return [], ("Skipped: SpamAssassin is not installed (spamassassin or spamc on the PATH, "
+                    "or the setting spamassassin), so the emails were not scored.")
+    threshold = float(settings.get("spam_threshold") or 5.0)
+    unknown = [sample for sample in samples if (program, sample[2]) not in _SPAM_SCORES]
+    if unknown:
+        try:
+            scores = _spam_scores(program, [raw for _, raw, _ in unknown])
+        except (OSError, subprocess.SubprocessError) as error:
+            return [f"SpamAssassin ({program[1]}) could not score the emails: {error}"], ""
+        for (_, _, key), score in zip(unknown, scores):
+            _SPAM_SCORES[program, key] = score
+            while len(_SPAM_SCORES) > _SPAM_KEPT:
+                _SPAM_SCORES.popitem(last=False)
+    said, problems = [], []
+    for label, _, key in samples:
+        score, rules = _SPAM_SCORES[program, key]
+        hits = ", ".join(f"{name} {points:g}" for name, points in sorted(
+            rules.items(), key=lambda item: -abs(item[1]))) or "none"
+        text = f"{label} scores {score:g} (rules: {hits})"
+        (problems if score >= threshold else said).append(text)
+    if problems:
+        return [f"SpamAssassin scores at or above {threshold:g}: {'; '.join(problems)}. "
+                "Change what the rules point at, e.g. more text beside images, fewer "
+                "shouting words, a text body."], ""
+    return [], (f"SpamAssassin ({os.path.basename(program[1])}) scores every message under "
+                f"{threshold:g}: " + "; ".join(said) + ".")
+
+
+@_verify_check("size")
+def _verify_size(c):
+    return _size_check(_campaign_samples(c, c.settings))
+
+
+@_verify_check("links")
+def _verify_links_answer(c):
+    samples = _campaign_samples(c, c.settings)
+    return _links_check(samples, c.settings, c.own_links)
+
+
+@_verify_check("spam")
+def _verify_spam(c):
+    return _spam_check(_campaign_samples(c, c.settings), c.settings)
 
 
 # ---------------------------------------------------------------------------
@@ -10652,6 +10928,8 @@ _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "De
 #: route's last path word).
 _PARAM_DOCS = {
     "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
+    "links": ("'1': also check that every link of every message answers (HEAD, then GET; "
+              "under 400 within 5 seconds, at most 5 redirects).", "1"),
     "offset": ("How many records to skip before the page (default 0).", 0),
     "id": ("The record's id again, as in the path: a guard against deleting or "
            "changing the wrong record.", 1),
@@ -11124,7 +11402,8 @@ ROUTES = [
     Route("POST",   "/campaign/{parent_id}/message/{child_id}", "write", LINK.change),
     Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", LINK.delete),
     Route("GET",    "/campaign/{parent_id}/structure/{child_id}", "read", _campaign_structure_get),
-    Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
+    Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get,
+          "links:flag"),
     Route("GET",    "/campaign/{parent_id}/preview/{child_id}", "read", _campaign_preview,
           "recipient:scalar", summary="Preview a campaign message as a recipient gets it",
           answers="preview", errors=(409,)),   # 409: no recipient, or an unusable template

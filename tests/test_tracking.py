@@ -64,7 +64,9 @@ def links_in(html_text):
 
 
 def open_url_in(html_text):
-    return re.search(r'<img src="([^"]+/v1/open/[^"]+)"', html_text).group(1)
+    # An <img>, or in a short email a CSS background (no image for spam filters to count).
+    return re.search(r'(?:<img src="|background-image:url\()([^")]+/v1/open/[^")]+)',
+                     html_text).group(1)
 
 
 def path_of(url):
