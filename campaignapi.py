@@ -150,6 +150,11 @@ DEFAULT_CONFIG = {
     # and the score at or above which the check fails.
     "spamassassin": "",
     "spam_threshold": 5.0,
+    # GET /metrics (the Prometheus text format; needs prometheus_client, the
+    # extra campaignapi[metrics]); with metrics_token it asks for
+    # Authorization: Bearer with it.
+    "metrics": False,
+    "metrics_token": "",
 }
 
 SCHEMA_VERSION = 9
@@ -312,6 +317,7 @@ _SQL = {
         "non_ascii": "length(CAST({expr} AS BLOB)) != length({expr})",
         # The domain of an address (after its first @), lower-cased.
         "address_domain": "lower(substr({expr}, instr({expr}, '@') + 1))",
+        "table_exists": "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -342,6 +348,8 @@ _SQL = {
         "skip_locked": "FOR UPDATE SKIP LOCKED",
         "non_ascii": "octet_length({expr}) != length({expr})",
         "address_domain": "lower(split_part({expr}, '@', 2))",
+        "table_exists": "SELECT 1 FROM information_schema.tables "
+                        "WHERE table_schema = current_schema() AND table_name = ?",
     },
 }
 
@@ -2788,6 +2796,9 @@ class _Service:
         self.later = {}   # {name: write} of call.later(); create_app() gives LATER
         self.signup_limit = _ClientLimit()  # public sign-ups per client address
         self.intake = _Intake(self)  # public writes kept while their lock is held
+        # observe(method, route, status, seconds) of every answer: GET /metrics's
+        # request figures (create_app() sets it with the setting metrics).
+        self.observe = None
 
     def key(self, conn, header):
         """authenticate(), remembering a verified key for key_cache_seconds."""
@@ -2865,12 +2876,12 @@ class _Service:
         except Exception:
             _log.exception("internal error, responseId %s", response_id)
             outcome = _internal_error(response_id)
-        return self.finish(response_id, started, outcome, raw_ids)
+        return self.finish(response_id, started, outcome, raw_ids, "/v1" + route.path)
 
-    def finish(self, response_id, started, outcome, raw_ids=None):
+    def finish(self, response_id, started, outcome, raw_ids=None, path=None):
         """The one exit path: answer ``outcome`` (a handler's data, an ApiError,
         or a ready response such as a download or a page) and log the request
-        once, with its responseId."""
+        once, with its responseId; ``path``: the route as declared (metrics)."""
         request = bottle.request
         if isinstance(outcome, bottle.HTTPResponse):
             outcome.set_header("X-Response-Id", response_id)
@@ -2885,6 +2896,9 @@ class _Service:
             _log.info("%s %s %s %s %.1fms", response_id, request.method,
                      _loggable_path(request.path, raw_ids or {}), status,
                      (time.perf_counter() - started) * 1000)
+        if self.observe is not None:   # by the route as declared: a bounded set of labels
+            self.observe(request.method, path or "(no route)", status,
+                         time.perf_counter() - started)
         return answer
 
     def unrouted(self):
@@ -11476,6 +11490,105 @@ ROUTES = [
 Route.table = ROUTES
 
 
+# GET /metrics ------------------------------------------------------------------
+#
+# The Prometheus text format, made by prometheus_client (the extra
+# campaignapi[metrics]): its exposition and label escaping are the format's
+# reference, and its parser is what the tests read the answer with.  Figures
+# that live in the database are read from it at each scrape, so every process
+# of several hosts answers the same totals; the request figures are this
+# process's own, as Prometheus expects of each target.
+
+class _DatabaseFigures:
+    """A prometheus_client collector: the database's figures at each scrape."""
+
+    def __init__(self, db, metrics):
+        self.db, self.metrics = db, metrics
+
+    def collect(self):
+        gauge, counter = self.metrics.GaugeMetricFamily, self.metrics.CounterMetricFamily
+        conn = connect(self.db)
+        try:
+            def family(kind, name, text, labels, sql, args=()):
+                made = kind(name, text, labels=labels)
+                for *values, count in conn.execute(sql, args):
+                    made.add_metric([str(value) for value in values], count)
+                return made
+
+            yield family(gauge, "campaignapi_emails", "Emails in the outbox by kind and status.",
+                         ["kind", "status"],
+                         "SELECT kind, status, count(*) FROM outbox GROUP BY kind, status")
+            yield family(gauge, "campaignapi_outbox_queued",
+                         "Outbox emails not yet sent: due, waiting (a retry, a domain's rate, "
+                         "the warm-up) or being sent.", ["status"],
+                         "SELECT CASE WHEN status = 'sending' THEN 'sending' WHEN next_try <= ? "
+                         "THEN 'due' ELSE 'waiting' END AS s, count(*) FROM outbox "
+                         "WHERE status IN ('queued', 'sending') GROUP BY s", (_now(),))
+            yield family(gauge, "campaignapi_batches", "Batches by status.", ["status"],
+                         "SELECT status, count(*) FROM batch GROUP BY status")
+            runs = gauge("campaignapi_runs", "Automation runs by status.", labels=["status"])
+            if conn.execute(conn.sql["table_exists"], ("run",)).fetchone():
+                for status, count in conn.execute(
+                        "SELECT status, count(*) FROM run GROUP BY status"):
+                    runs.add_metric([status], count)
+            yield runs
+            yield family(counter, "campaignapi_deferrals", "SMTP deferrals (4xx) by domain.",
+                         ["domain"], "SELECT domain, deferred FROM domain_pace WHERE deferred > 0")
+            yield family(gauge, "campaignapi_domain_rate",
+                         "Each rated domain's rate now, emails a second.", ["domain"],
+                         "SELECT domain, coalesce(rate, configured) / unit FROM domain_pace "
+                         "WHERE configured IS NOT NULL")
+            yield family(gauge, "campaignapi_webhook_deliveries",
+                         "Webhook deliveries by outcome.", ["outcome"],
+                         "SELECT status, count(*) FROM hook_delivery GROUP BY status")
+            yield family(gauge, "campaignapi_imports", "Imports by status.", ["status"],
+                         "SELECT status, count(*) FROM import GROUP BY status")
+        finally:
+            conn.close()
+
+
+def _metrics_library():
+    try:
+        import prometheus_client
+        import prometheus_client.core
+    except ImportError:
+        raise ValueError("the setting metrics needs prometheus_client: "
+                         "pip install 'campaignapi[metrics]'") from None
+    return prometheus_client
+
+
+def _metrics_route(service):
+    """The handler of GET /metrics for ``service``; sets its observe()."""
+    metrics = _metrics_library()
+    registry = metrics.CollectorRegistry()
+    requests = metrics.Counter("campaignapi_http_requests", "HTTP requests answered, by route "
+                               "and status.", ["method", "route", "status"], registry=registry)
+    seconds = metrics.Histogram("campaignapi_http_request_duration_seconds",
+                                "Time to answer an HTTP request, by route.", ["method", "route"],
+                                registry=registry)
+    registry.register(_DatabaseFigures(service.db, metrics.core))
+
+    def observe(method, route, status, elapsed):
+        requests.labels(method, route, str(status)).inc()
+        seconds.labels(method, route).observe(elapsed)
+
+    service.observe = observe
+    token = service.config["metrics_token"]
+
+    def answer():
+        started = time.perf_counter()
+        given = _request_header("Authorization") or ""
+        if token and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            outcome = Unauthorized("GET /metrics needs Authorization: Bearer with the "
+                                   "metrics token.")
+        else:
+            outcome = bottle.HTTPResponse(metrics.generate_latest(registry), 200,
+                                          {"Content-Type": metrics.CONTENT_TYPE_LATEST})
+        return service.finish(_new_response_id(), started, outcome, path="/metrics")
+
+    return answer
+
+
 def _checked_bounce_settings(config):
     """The settings of the bounce routes checked (ValueError naming the one at
     fault), so a wrong one fails at start rather than on a provider's call."""
@@ -11514,6 +11627,9 @@ def create_app(db="campaignapi.db", **config):
     config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
     config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
     _Pace(config["domain_rates"], config["warmup"], config["warmup_start"])   # ValueError
+    if not isinstance(config["spam_threshold"], (int, float)) or isinstance(
+            config["spam_threshold"], bool):
+        raise ValueError("spam_threshold must be a number, such as 5.0")
     init_db(db)
     service = _Service(db, config)
     service.sns_fetch, service.sns_cert_host = _fetch_https, _SNS_CERT_HOST
@@ -11528,6 +11644,8 @@ def create_app(db="campaignapi.db", **config):
                   name=f"{route.method} {route.path}")
     # The root sends people and tools to the index.
     app.route("/", "GET", callback=service.root, name="root")
+    if config["metrics"]:   # not an API route of /v1: Prometheus text, not the envelope
+        app.route("/metrics", "GET", callback=_metrics_route(service), name="metrics")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
@@ -11672,6 +11790,17 @@ def _imap(text):
 @_argument_type
 def _allowed_host(text):
     return _checked_hosts(text)[0]
+
+
+@_argument_type
+def _threshold(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or value != value or abs(value) == float("inf"):
+        raise ValueError(f"must be a number such as 5.0, not {text!r}")
+    return value
 
 
 @_argument_type
@@ -11855,6 +11984,11 @@ def _new_account_key(db, email):
 
 def _cmd_serve(args):
     options = _worker_options(args)
+    if args.metrics:
+        try:
+            _metrics_library()
+        except ValueError as error:
+            raise _Refused(f"--metrics: {error}") from None
     _cli_check_database(args.db, must_exist=False)
     sockets, port = _claim_port(args.host, args.port)
     try:
@@ -11865,6 +11999,8 @@ def _cmd_serve(args):
             secret = _new_account_key(args.db, args.email)
             pace = {name: options[name] for name in ("domain_rates", "warmup", "warmup_start")}
             app = create_app(args.db, public_url=public_url, max_body=args.max_body, **pace,
+                             spamassassin=args.spamassassin, spam_threshold=args.spam_threshold,
+                             metrics=args.metrics, metrics_token=args.metrics_token,
                              allowed_hosts=tuple(args.allowed_host or ()),
                              webhook_allow_private=args.webhook_allow_private,
                              templates_dir=args.templates_dir or "", signup_rate=args.signup_rate,
@@ -12180,6 +12316,22 @@ def main(argv=None):
                             "and export notifications go (default: %(default)s)")
     _add_delivery_options(serve)
     _add_mailbox_options(serve)
+    checks = serve.add_argument_group("deliverability: verify's spam check, GET /metrics")
+    checks.add_argument("--spamassassin", default="", metavar="PATH",
+                        help="the SpamAssassin program verify scores emails with, spamc or "
+                             "spamassassin (default: spamc when a spamd answers, else "
+                             "spamassassin, from the PATH; none: the check is skipped)")
+    checks.add_argument("--spam-threshold", type=_threshold, metavar="SCORE",
+                        default=DEFAULT_CONFIG["spam_threshold"],
+                        help="verify's spam check fails at or above this score "
+                             "(default: %(default)s)")
+    checks.add_argument("--metrics", action="store_true",
+                        help="serve GET /metrics in the Prometheus text format (needs "
+                             "campaignapi[metrics]) (default: off)")
+    checks.add_argument("--metrics-token", default=os.environ.get("CAMPAIGNAPI_METRICS_TOKEN", ""),
+                        metavar="TOKEN", help="GET /metrics asks for Authorization: Bearer "
+                                              "TOKEN (default: $CAMPAIGNAPI_METRICS_TOKEN; "
+                                              "none: no key)")
     providers = serve.add_argument_group("provider callbacks of bounces and complaints "
                                          "(each route answers 404 until its option is given)")
     providers.add_argument("--mailgun-signing-key", default=None, metavar="KEY",

@@ -168,10 +168,12 @@ def test_settings_that_cannot_be_read_are_refused_at_start(db, settings):
         campaignapi.create_app(db, **settings)
 
 
-@pytest.mark.parametrize("argument", ["--domain-rate=gmail.com", "--domain-rate=*=1/w",
-                                      "--warmup=1,,x", "--warmup-start=tomorrow"])
-def test_the_command_line_refuses_bad_rates_in_one_line(db, argument):
-    done = subprocess.run([sys.executable, "campaignapi.py", "worker", "--db", db, argument],
+@pytest.mark.parametrize("command, argument", [
+    ("worker", "--domain-rate=gmail.com"), ("worker", "--domain-rate=*=1/w"),
+    ("worker", "--warmup=1,,x"), ("serve", "--warmup-start=tomorrow"),
+    ("serve", "--spam-threshold=high"), ("serve", "--spam-threshold=nan")])
+def test_the_command_line_refuses_bad_settings_in_one_line(db, command, argument):
+    done = subprocess.run([sys.executable, "campaignapi.py", command, "--db", db, argument],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
 
