@@ -10043,10 +10043,11 @@ class _Courier:
                 [(*result, worker) for result in results])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
-            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
-                _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
+            # The day's row before the domains' rows, as a claim locks them (no deadlock).
             if any(self.unsent) and attempting is None:
                 _uncount_day(self.conn, self.unsent, int(time.time()))
+            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
+                _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
             if attempting is not None:
                 mine = self.conn.execute(
                     "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "

@@ -59,7 +59,7 @@ def throttling_sink():
 def test_a_throttled_domain_slows_down_alone_and_nothing_is_lost_or_sent_twice(
         db, throttling_sink, seed_campaign):
     sink = throttling_sink
-    slow = [f"s{i}@slow.test" for i in range(12)]
+    slow = [f"s{i}@slow.test" for i in range(24)]
     fast = [f"f{i}@fast{j}.test" for j in range(4) for i in range(5)]
     seed_campaign([(address, "N") for address in slow + fast])
     rates = {"*": "8/s"}
