@@ -193,3 +193,20 @@ def test_slow_down_replies_are_told_from_other_deferrals():
                                 "e@outlook.com", "f@liveshow.com", "g@example.org")] == [
         "gmail.com", "outlook.com", "outlook.com", "outlook.com", "outlook.com", "liveshow.com",
         "example.org"]
+
+
+def test_transactional_emails_count_toward_the_warmup_and_are_never_held(db):
+    # internal: the admission of claimed rows, given rows of the kinds that other parts queue
+    # (transactional and automation emails), as a claim hands them over
+    campaignapi.init_db(db)
+    pace = campaignapi._Pace(warmup="2")
+    rows = [{"id": n, "kind": kind, "to_addr": f"r{n}@example.org"} for n, kind in enumerate(
+        ["transactional", "campaign", "automation", "transactional", "campaign"], start=1)]
+    now = int(time.time())
+    with database(db) as conn, campaignapi.transaction(conn):
+        going = pace.admit(conn, rows, now)
+        day = conn.execute("SELECT * FROM send_day").fetchone()
+    # Day one's cap is 2: the first transactional email and the campaign email fill it; the
+    # automation and the last campaign email wait, the second transactional one goes.
+    assert [row["id"] for row in going] == [1, 2, 4]
+    assert (day["sent"], day["bulk"]) == (3, 1)
