@@ -196,10 +196,10 @@ def test_slow_down_replies_are_told_from_other_deferrals():
 
 
 def test_transactional_emails_count_toward_the_warmup_and_are_never_held(db):
-    # internal: the admission of claimed rows, given rows of the kinds that other parts queue
-    # (transactional and automation emails), as a claim hands them over
+    # The admission of claimed rows, given rows of the kinds that other parts queue
+    # (transactional and automation emails), as a claim hands them over.
     campaignapi.init_db(db)
-    pace = campaignapi._Pace(warmup="2")
+    pace = campaignapi._Pace(warmup="2")  # internal: the kinds are not queued in this part
     rows = [{"id": n, "kind": kind, "to_addr": f"r{n}@example.org"} for n, kind in enumerate(
         ["transactional", "campaign", "automation", "transactional", "campaign"], start=1)]
     now = int(time.time())
