@@ -97,3 +97,24 @@ def test_every_database_family_is_there_on_an_empty_database(db, engine_figure):
     text = client.get("/metrics").text
     names = {family.name for family in text_string_to_metric_families(text)}
     assert engine_figure in names and "campaignapi_runs" in names
+
+
+def test_serve_answers_metrics_with_its_flags(tmp_path):
+    from clihelpers import served
+    from helpers import http
+
+    db = str(tmp_path / "served.db")
+    with served("--db", db, "--metrics", "--metrics-token", TOKEN,
+                "--domain-rate", "gmail.com=60/m", cwd=tmp_path) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        auth = {"Authorization": f"Bearer {server.secret}"}
+        status, _, body = http(f"{base}/v1/deliverability/0", headers=auth)
+        assert status == 200
+        record = campaignapi.json.loads(body)["data"]["deliverability"]
+        assert record["domains"][0]["configured"] == "60/m"
+        assert http(f"{base}/metrics")[0] == 401
+        status, headers, body = http(f"{base}/metrics",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200
+        names = {family.name for family in text_string_to_metric_families(body.decode())}
+        assert {"campaignapi_emails", "campaignapi_http_requests"} <= names
