@@ -9650,6 +9650,8 @@ _QUIET = 600
 #: connections or messages.
 _SLOW_DOWN = re.compile(r"\brate|throttl|too many (?:concurrent )?(?:connections|messages|mails?"
                         r"|sessions)", re.IGNORECASE)
+#: At most so many full domains are left out of a claim by name.
+_SKIPPED_DOMAINS = 200
 _BULK_KINDS = ("campaign", "automation")          # held by the warm-up's daily cap
 _WARMUP_KINDS = _BULK_KINDS + ("transactional",)  # counted toward it
 
@@ -9756,8 +9758,11 @@ class _Pace:
         a domain whose window is full."""
         if not self.rates:
             return "", ()
+        # The longest held first, a bounded number (a statement's parameters
+        # are limited): a full domain beyond them is claimed and put back.
         patterns = [pattern for (domain,) in conn.execute(
-            "SELECT domain FROM domain_pace WHERE full_until > ?", (now,)) if self.rule(domain)
+            "SELECT domain FROM domain_pace WHERE full_until > ? ORDER BY full_until DESC "
+            "LIMIT ?", (now, _SKIPPED_DOMAINS)) if self.rule(domain)
             for pattern in _domain_patterns(domain)]
         if not patterns:
             return "", ()
