@@ -8391,24 +8391,33 @@ def _campaign_samples(c, settings):
         if message["deleted"] or message["id"] in seen:
             continue
         seen.add(message["id"])
-        sent = _prepare_message(message, c.template)
-        letter = _message_letter(c.conn, campaign, message, sent, base, _default_mail_from())
-        recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
-        values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
-            _datasource_fields(c.conn, recipient["datasource"]), recipient)
-        if c.row["tracking"] and sent["html"]:
-            tracked, links = _track_html(sent["html"])
-            letter.html = _Template(tracked)
-            values.update(_tracking_values(secret, base, 0, len(links)))
-        to_addr = recipient["email"] if recipient else "recipient@example.com"
-        _, raw = _recipient_email(letter, secret, to_addr, values,
-                                  recipient["id"] if recipient else None,
-                                  message_id=message_id_for(secret, 0, letter.domain))
-        key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
-                                       c.row["tracking"]]).encode()).hexdigest()
-        c.samples.append((_label("message", message), raw, key))
+        try:
+            c.samples.append(_message_sample(c, campaign, message, segment, base, secret))
+        except Exception:  # noqa: BLE001 - verify's other checks say what is wrong with it
+            _log.warning("verify: message %s of campaign %s could not be built",
+                         message["id"], c.id, exc_info=True)
     c.own_links = base
     return c.samples
+
+
+def _message_sample(c, campaign, message, segment, base, secret):
+    """The sample of one message of a verified campaign (_campaign_samples())."""
+    sent = _prepare_message(message, c.template)
+    letter = _message_letter(c.conn, campaign, message, sent, base, _default_mail_from())
+    recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
+    values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
+        _datasource_fields(c.conn, recipient["datasource"]), recipient)
+    if c.row["tracking"] and sent["html"]:
+        tracked, links = _track_html(sent["html"])
+        letter.html = _Template(tracked)
+        values.update(_tracking_values(secret, base, 0, len(links)))
+    to_addr = recipient["email"] if recipient else "recipient@example.com"
+    _, raw = _recipient_email(letter, secret, to_addr, values,
+                              recipient["id"] if recipient else None,
+                              message_id=message_id_for(secret, 0, letter.domain))
+    key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
+                                   c.row["tracking"]]).encode()).hexdigest()
+    return _label("message", message), raw, key
 
 
 def _size_check(samples):
