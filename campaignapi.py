@@ -79,11 +79,13 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import smtplib
 import socket
 import sqlite3
 import ssl
+import subprocess
 import sys
 import tempfile
 import threading
@@ -137,6 +139,23 @@ DEFAULT_CONFIG = {
     # callable(kind, payload), called after the transaction that raised an
     # event has committed; an exception in it is logged and changes nothing.
     "on_event": None,
+    # Deliverability (section 20).  Per-domain rates: {"gmail.com": "100/m",
+    # "*": "20/s"} or ("gmail.com=100/m", ...); the warm-up's daily caps
+    # ("50,100,500" or numbers) from warmup_start (YYYY-MM-DD; empty: the day
+    # of the first campaign email).  The worker applies them; the API shows them.
+    "domain_rates": (),
+    "warmup": (),
+    "warmup_start": "",
+    # Verify's spam check: the SpamAssassin program (spamc or spamassassin;
+    # empty: spamc when a spamd answers, else spamassassin, from the PATH)
+    # and the score at or above which the check fails.
+    "spamassassin": "",
+    "spam_threshold": 5.0,
+    # GET /metrics (the Prometheus text format; needs prometheus_client, the
+    # extra campaignapi[metrics]); with metrics_token it asks for
+    # Authorization: Bearer with it.
+    "metrics": False,
+    "metrics_token": "",
 }
 
 SCHEMA_VERSION = 10
@@ -304,6 +323,9 @@ _SQL = {
         "skip_locked": "",
         # A text with characters beyond ASCII (SQLite 3.40 lacks octet_length).
         "non_ascii": "length(CAST({expr} AS BLOB)) != length({expr})",
+        # The domain of an address (after its first @), lower-cased.
+        "address_domain": "lower(substr({expr}, instr({expr}, '@') + 1))",
+        "table_exists": "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -333,6 +355,9 @@ _SQL = {
         # Claim outbox rows: each worker takes rows no other has locked.
         "skip_locked": "FOR UPDATE SKIP LOCKED",
         "non_ascii": "octet_length({expr}) != length({expr})",
+        "address_domain": "lower(split_part({expr}, '@', 2))",
+        "table_exists": "SELECT 1 FROM information_schema.tables "
+                        "WHERE table_schema = current_schema() AND table_name = ?",
     },
 }
 
@@ -3037,6 +3062,9 @@ class _Service:
         self.later = {}   # {name: write} of call.later(); create_app() gives LATER
         self.signup_limit = _ClientLimit()  # public sign-ups per client address
         self.intake = _Intake(self)  # public writes kept while their lock is held
+        # observe(method, route, status, seconds) of every answer: GET /metrics's
+        # request figures (create_app() sets it with the setting metrics).
+        self.observe = None
 
     def key(self, conn, header):
         """authenticate(), remembering a verified key for key_cache_seconds."""
@@ -3126,12 +3154,12 @@ class _Service:
             outcome = _internal_error(response_id)
         if keyed is not None:   # a failed request (or one not 2xx) frees its key
             keyed.release(self.conn())
-        return self.finish(response_id, started, outcome, raw_ids)
+        return self.finish(response_id, started, outcome, raw_ids, "/v1" + route.path)
 
-    def finish(self, response_id, started, outcome, raw_ids=None):
+    def finish(self, response_id, started, outcome, raw_ids=None, path=None):
         """The one exit path: answer ``outcome`` (a handler's data, an ApiError,
         or a ready response such as a download or a page) and log the request
-        once, with its responseId."""
+        once, with its responseId; ``path``: the route as declared (metrics)."""
         request = bottle.request
         if isinstance(outcome, bottle.HTTPResponse):
             outcome.set_header("X-Response-Id", response_id)
@@ -3148,6 +3176,9 @@ class _Service:
             _log.info("%s %s %s %s %.1fms", response_id, request.method,
                      _loggable_path(request.path, raw_ids or {}), status,
                      (time.perf_counter() - started) * 1000)
+        if self.observe is not None:   # by the route as declared: a bounded set of labels
+            self.observe(request.method, path or "(no route)", status,
+                         time.perf_counter() - started)
         return answer
 
     def unrouted(self):
@@ -3668,6 +3699,15 @@ _OPEN_URL_TAG = "open_url"
 _CLICK_URL_TAG = "click_url_{}"
 _PIXEL = ('<img src="{{open_url}}" width="1" height="1" alt="" '
           'style="display:block;width:1px;height:1px;border:0;margin:0;padding:0">')
+#: The open signal of a short html: SpamAssassin's HTML_IMAGE_ONLY_* rules
+#: score any <img> in an html part shorter than _IMAGE_ONLY_LENGTH bytes (up
+#: to 2.8 points for the pixel alone), so there the same URL is a CSS
+#: background of an empty 1x1 block instead: no image element, no points.
+#: (Mail clients that show no CSS backgrounds, Outlook for Windows among
+#: them, report no open for such an email; longer emails keep the <img>.)
+_PIXEL_BACKGROUND = ('<div style="background-image:url({{open_url}});width:1px;height:1px;'
+                     'font-size:1px;line-height:1px">&nbsp;</div>')
+_IMAGE_ONLY_LENGTH = 3200
 #: A transparent 1x1 GIF89a (43 bytes), the answer of the open URL.
 _GIF_PIXEL = (b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff"
              b"!\xf9\x04\x01\x00\x00\x00\x00"
@@ -3701,6 +3741,75 @@ class _LinkFinder(html.parser.HTMLParser):
     def handle_endtag(self, tag):
         if tag == "body":
             self.body_end = self.getpos()
+
+
+class _TextMaker(html.parser.HTMLParser):
+    """The text body of an html body: blocks on lines of their own, list items
+    as ``- ``, a link as ``text (url)``, an image as its alt text; <head>,
+    <style> and <script> left out.  html.parser rather than a converter
+    package: html2text is GPL-3.0 (this module is MIT) and inscriptis brings
+    lxml and requests and writes links as ``[text](url)``; an email's html is
+    simple, and the parser is the one tracking already reads it with."""
+
+    _BLOCKS = frozenset("address article aside blockquote center dd div dl dt footer form h1 h2 "
+                        "h3 h4 h5 h6 header hr li main nav ol p pre section table tbody thead "
+                        "tfoot tr ul".split())
+    _HIDDEN = frozenset(("head", "style", "script", "title", "template"))
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.out, self.hidden, self.anchors = [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in self._HIDDEN:
+            self.hidden += 1
+        elif tag == "body":
+            self.hidden = 0   # a <head> never closed
+        elif tag == "br":
+            self.out.append("\n")
+        elif tag in self._BLOCKS:
+            self.gap(2 if tag in ("p", "h1", "h2", "h3", "table") else 1)
+            if tag == "li":
+                self.out.append("- ")
+        elif tag in ("td", "th"):
+            self.out.append(" ")
+        elif tag == "img" and attrs.get("alt") and not self.hidden:
+            self.out.append(f" {attrs['alt']} ")
+        if tag == "a":
+            self.anchors.append(((attrs.get("href") or "").strip(), len(self.out)))
+
+    def handle_endtag(self, tag):
+        if tag in self._HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        elif tag in self._BLOCKS:
+            self.gap(2 if tag in ("p", "h1", "h2", "h3", "table") else 1)
+        if tag == "a" and self.anchors:
+            href, start = self.anchors.pop()
+            text = " ".join("".join(self.out[start:]).split())
+            if href and not href.startswith(("#", "javascript:")) and href != text:
+                self.out.append(f" ({href})" if text else href)
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.out.append(re.sub(r"\s+", " ", data))
+
+    def gap(self, lines):
+        """End the text so far with at least ``lines`` line breaks (blank
+        space between them does not count)."""
+        tail = "".join(self.out[-8:]).rstrip(" ")
+        have = len(tail) - len(tail.rstrip("\n")) if tail.strip() else lines
+        self.out.append("\n" * max(0, lines - have))
+
+
+def _html_text(html_body):
+    """A text body made from ``html_body`` (links kept as ``text (url)``,
+    merge tags kept as tags): what a message with html and no text sends."""
+    maker = _TextMaker()
+    maker.feed(html_body or "")
+    maker.close()
+    lines = [" ".join(line.split()) for line in "".join(maker.out).split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
 def _href_span(source, attrs):
@@ -3747,7 +3856,8 @@ def _track_html(html_template):
     Every ``<a href>`` holding an http(s) URL gets the merge tag
     ``{{click_url_N}}`` (N from 0, in document order) as its value, and an
     open image ``<img src="{{open_url}}">`` goes before ``</body>`` (or at
-    the end).  The unsubscribe link, mailto:, tel:, anchors and links in
+    the end; in a short html a CSS background carries it, _PIXEL_BACKGROUND).
+    The unsubscribe link, mailto:, tel:, anchors and links in
     comments or scripts stay.  Nothing else changes: the edits are made by
     source position, the document is not written out again.
 
@@ -3786,7 +3896,9 @@ def _track_html(html_template):
         links.append(url)
     if finder.body_end:
         end = min(end, offset(finder.body_end))
-    edits.append((end, end, _PIXEL))
+    # The filled html is longer than the template: each URL by about 100 bytes.
+    short = len(source) + len(_PIXEL) + 100 * (len(links) + 2) < _IMAGE_ONLY_LENGTH
+    edits.append((end, end, _PIXEL_BACKGROUND if short else _PIXEL))
     out, done = [], 0
     for begin, stop, text in edits:  # in source order: the pixel is after every link
         out += (source[done:begin], text)
@@ -4038,7 +4150,9 @@ def _prepared_letter(prepared, mail_from):
         recipient; without: the outbox email), tracked (the html of
         _track_html(); None or absent: untracked) and links (how many).
     """
-    letter = _Letter(prepared["fromaddress"] or mail_from, prepared["subject"], prepared["text"],
+    # A message with html and no text gets a text body made from the html.
+    text = prepared["text"] or (_html_text(prepared["html"]) if prepared["html"] else "")
+    letter = _Letter(prepared["fromaddress"] or mail_from, prepared["subject"], text,
                     prepared["html"], from_name=prepared["fromname"] or "",
                     reply_to=prepared["replyto"] or "", list_id=prepared["list_id"] or None)
     letter.campaign, letter.account = prepared.get("campaign"), prepared["account"]
@@ -6711,7 +6825,14 @@ def _campaign_structure_get(call, child_id):
 def _campaign_verify_get(call, child_id):
     _whole_campaign(call.parent["id"], child_id, "verify")
     return {"verify": verify_campaign(call.conn, call.account, call.parent["id"],
-                                      call.service.config["templates_dir"])}
+                                      call.service.config["templates_dir"],
+                                      settings=_verify_settings(call))}
+
+
+def _verify_settings(call):
+    """verify_campaign()'s ``settings`` for a request (links=1 asks for the links check)."""
+    return {**call.service.config, "secret": call.service.secret,
+            "links": bool(call.get("links"))}
 
 
 def _label(kind, row):
@@ -6722,8 +6843,8 @@ class _Campaign:
     """What verify's checks look at: the campaign, its sender profile, its
     links, and the messages and segments they name (by id)."""
 
-    def __init__(self, conn, account, campaign_id, templates_dir=""):
-        self.conn, self.id = conn, campaign_id
+    def __init__(self, conn, account, campaign_id, templates_dir="", settings=None):
+        self.conn, self.id, self.settings = conn, campaign_id, settings or {}
         self.row = CAMPAIGN.find(conn, account, campaign_id)
         self.template, self.template_problem = None, None
         try:
@@ -7012,7 +7133,7 @@ def _verify_header_line_breaks(c):
             ], "No header value holds a line break."
 
 
-def verify_campaign(conn, account, campaign_id, templates_dir=""):
+def verify_campaign(conn, account, campaign_id, templates_dir="", *, settings=None):
     """Check whether campaign ``campaign_id`` can be sent; the verify record.
 
     Every check of _VERIFY_CHECKS is always listed, with ``passed`` '1' or '0'
@@ -7023,8 +7144,12 @@ def verify_campaign(conn, account, campaign_id, templates_dir=""):
     :param account: the id of the account that owns the campaign (404 if not).
     :param campaign_id: the campaign to check.
     :param templates_dir: where template files named by defaulttemplate are.
+    :param settings: what the deliverability checks (size, links, spam) use:
+        ``public_url`` and ``secret`` (the links of the emails they build),
+        ``links`` (check every link), ``webhook_allow_private``,
+        ``spamassassin``, ``spam_threshold``; None: their defaults.
     """
-    campaign = _Campaign(conn, account, campaign_id, templates_dir)
+    campaign = _Campaign(conn, account, campaign_id, templates_dir, settings)
     checks = []
     for name, check in _VERIFY_CHECKS:
         problems, passed_message = check(campaign)
@@ -7291,7 +7416,8 @@ def _verified(call, campaign_id, only=None):
     """Refuse (409 verification_failed, with the checks) a campaign that fails
     verify; ``only``: the names of the checks that count."""
     report = verify_campaign(call.conn, call.account, campaign_id,
-                             call.service.config["templates_dir"])
+                             call.service.config["templates_dir"],
+                             settings=_verify_settings(call))
     failing = [check for check in report["checks"] if check["passed"] != "1"
                and (only is None or check["check"] in only)]
     if failing:
@@ -7500,7 +7626,7 @@ def _choose_winner(conn, batch_id, link_id, now, winner=None, how="manual"):
     if winner is None:
         how = "auto"   # max() keeps the first of equal rates
         winner = max(figures, key=lambda version: version["rate"])["message"]
-    result = [{**version, "rate": _rate_text(version["rate"])} for version in figures]
+    result = [{**version, "rate": _version_rate_text(version["rate"])} for version in figures]
     conn.execute("UPDATE batch_test SET winner = ?, decided = ?, decidedat = ?, result = ? "
                  "WHERE batch = ? AND link = ?",
                  (winner, how, now, json.dumps(result), batch_id, link_id))
@@ -7515,7 +7641,7 @@ def _choose_winner(conn, batch_id, link_id, now, winner=None, how="manual"):
     return True
 
 
-def _rate_text(rate):
+def _version_rate_text(rate):
     return f"{float(rate):.4f}"
 
 
@@ -7528,7 +7654,7 @@ def _batch_tests(conn, batch_id):
                              (batch_id,)).fetchall():
         versions = json.loads(test["versions"])
         figures = json.loads(test["result"]) if test["result"] else [
-            {**version, "rate": _rate_text(version["rate"])}
+            {**version, "rate": _version_rate_text(version["rate"])}
             for version in _test_figures(conn, batch_id, versions, test["metric"])]
         subjects = dict(conn.execute(
             "SELECT message, subject FROM batch_message WHERE batch = ?", (batch_id,)).fetchall())
@@ -8428,9 +8554,11 @@ def _unsubscribe_subject(call, token):
         return subject and (*subject, None, None, None)
     numbers = read_token(call.service.secret, "unsubscribe", token)
     if numbers is not None and len(numbers) == 1:   # an email of a prepared message
-        row = call.conn.execute("SELECT account, to_addr FROM outbox WHERE id = ? "
-                                "AND prepared IS NOT NULL", (min(numbers[0], MAX_ID),)).fetchone()
-        return row and (row["account"], row["to_addr"], None, None, numbers[0])
+        row = call.conn.execute(
+            "SELECT o.account, o.to_addr, d.language FROM outbox o LEFT JOIN recipient r "
+            "ON r.id = o.recipient LEFT JOIN datasource d ON d.id = r.datasource "
+            "WHERE o.id = ? AND o.prepared IS NOT NULL", (min(numbers[0], MAX_ID),)).fetchone()
+        return row and (row["account"], row["to_addr"], None, None, numbers[0], row["language"])
     if numbers is None or len(numbers) != 2:
         return None
     campaign, recipient = (min(number, MAX_ID) for number in numbers)
@@ -9587,7 +9715,8 @@ def _read_http_body(sock, deadline, headers, data, limit):
 
 def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_response,
                    context, read_body):
-    """One request to the checked address of ``url``: (status, body or None)."""
+    """One request to the checked address of ``url``: (status, body), or
+    without ``read_body`` (status, the answer's headers by lower-case name)."""
     deadline = time.monotonic() + timeout
     scheme, host, port, target, host_header = _http_target(url)
     sock = _connect(_checked_addresses(host, port, allow_private, deadline), deadline)
@@ -9607,7 +9736,7 @@ def _http_exchange(method, url, headers, body, *, allow_private, timeout, max_re
         _send_all(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body, deadline)
         status, answer_headers, rest = _read_head(sock, deadline, max_response)
         if not read_body:
-            return status, None
+            return status, answer_headers
         return status, _read_http_body(sock, deadline, answer_headers, rest, max_response)
     finally:
         sock.close()
@@ -9682,6 +9811,258 @@ def _fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_by
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return body
+
+
+# Verify's deliverability checks: size, links, spam ------------------------------
+#
+# Each looks at emails as a recipient gets them: samples ``(label, raw email,
+# key)``, ``key`` naming the content (the score of the same content is kept).
+# A campaign's verify builds its samples with _campaign_samples(); another
+# verify (an automation's) builds its own and calls the same _size_check(),
+# _links_check() and _spam_check(), each giving ``(problems, passed message)``.
+
+#: Gmail clips an email whose html is larger than this many bytes.
+_CLIP_SIZE = 102 * 1024
+#: The links check: seconds per link, redirects followed, links checked at
+#: once, and at most so many distinct links a verify.
+_LINK_TIMEOUT, _LINK_REDIRECTS, _LINK_WORKERS, _LINK_MAX = 5.0, 5, 8, 200
+#: Seconds a SpamAssassin run may take; scores kept by content (in the process).
+_SPAM_TIMEOUT = 120
+_SPAM_SCORES = collections.OrderedDict()
+_SPAM_KEPT = 256
+_SPAMD_LOOK = {}   # spamc path -> (monotonic time, spamd answered) of the last look
+
+
+def _sample_parts(raw):
+    """``(html, text)`` of a raw email, decoded ('' where a part is missing)."""
+    parsed = email.message_from_bytes(raw, policy=email.policy.default)
+    parts = []
+    for kind in ("html", "plain"):
+        body = parsed.get_body((kind,))
+        parts.append(body.get_content() if body is not None else "")
+    return parts
+
+
+def _campaign_samples(c, settings):
+    """The samples of a verified campaign (_Campaign): each live message as
+    delivery builds it, in its template with the CSS inlined and tracking when
+    the campaign has it on, for the first recipient of its segment (blank
+    values when there is none), its links pointing at ``public_url``."""
+    if getattr(c, "samples", None) is not None:
+        return c.samples
+    base = (settings.get("public_url") or "https://campaignapi.invalid").rstrip("/")
+    secret = settings.get("secret") or "verify"
+    campaign = {"id": c.id, "owner": c.row["owner"], "accountprofile": c.row["accountprofile"]}
+    c.samples, seen = [], set()
+    for link in c.links:
+        message, segment = c.messages[link["message"]], c.segments[link["segment"]]
+        if message["deleted"] or message["id"] in seen:
+            continue
+        seen.add(message["id"])
+        try:
+            c.samples.append(_message_sample(c, campaign, message, segment, base, secret))
+        except Exception:  # noqa: BLE001 - verify's other checks say what is wrong with it
+            _log.warning("verify: message %s of campaign %s could not be built",
+                         message["id"], c.id, exc_info=True)
+    c.own_links = base
+    return c.samples
+
+
+def _message_sample(c, campaign, message, segment, base, secret):
+    """The sample of one message of a verified campaign (_campaign_samples())."""
+    sent = _prepare_message(message, c.template)
+    letter = _message_letter(c.conn, campaign, message, sent, base, _default_mail_from())
+    recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
+    values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
+        _datasource_fields(c.conn, recipient["datasource"]), recipient)
+    if c.row["tracking"] and sent["html"]:
+        tracked, links = _track_html(sent["html"])
+        letter.html = _Template(tracked)
+        values.update(_tracking_values(secret, base, 0, len(links)))
+    to_addr = recipient["email"] if recipient else "recipient@example.com"
+    _, raw = _recipient_email(letter, secret, to_addr, values,
+                              recipient["id"] if recipient else None,
+                              message_id=message_id_for(secret, 0, letter.domain))
+    key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
+                                   c.row["tracking"]]).encode()).hexdigest()
+    return _label("message", message), raw, key
+
+
+def _size_check(samples):
+    sizes = [(label, len(_sample_parts(raw)[0].encode("utf-8"))) for label, raw, _ in samples]
+    return [f"The html of {label} is {size / 1024:.0f} KB as sent (template, inlined CSS and "
+            "tracking included): Gmail clips an email past 102 KB and hides the rest, the "
+            "unsubscribe link too; shorten it or move content to a web page."
+            for label, size in sizes if size >= _CLIP_SIZE], (
+        "Every message's html is under 102 KB as sent" + (" (" + ", ".join(
+            f"{label}: {size / 1024:.1f} KB" for label, size in sizes) + ")." if sizes else "."))
+
+
+def _sample_links(raw, own):
+    """The distinct http(s) links of an email, but those to ``own`` (the
+    service's: unsubscribe, open, click)."""
+    html_body, text_body = _sample_parts(raw)
+    finder = _LinkFinder()
+    finder.feed(html_body)
+    finder.close()
+    urls = [value for _, _, attrs in finder.anchors for name, value in attrs
+            if name == "href" and value]
+    urls += re.findall(r"https?://[^\s<>\"')]+", text_body)
+    return {url.strip() for url in urls if url.strip().lower().startswith(("http://", "https://"))
+            and not url.strip().startswith(own + "/")}
+
+
+def _link_answer(url, allow_private):
+    """None when ``url`` answers with a status under 400 within
+    _LINK_TIMEOUT seconds (HEAD, then GET where HEAD is not allowed; at most
+    _LINK_REDIRECTS redirects, each to an address the webhooks' rules allow),
+    else what went wrong."""
+    deadline, method, redirects = time.monotonic() + _LINK_TIMEOUT, "HEAD", 0
+    while True:
+        try:
+            status, headers = _http_exchange(
+                method, url, {}, b"", allow_private=allow_private, timeout=_remaining(deadline),
+                max_response=65536, context=None, read_body=False)
+        except (OSError, ValueError) as error:
+            return _exchange_failure(error, _LINK_TIMEOUT)
+        if method == "HEAD" and status in (405, 501):
+            method = "GET"
+        elif status in (301, 302, 303, 307, 308) and headers.get("location"):
+            redirects += 1
+            if redirects > _LINK_REDIRECTS:
+                return f"redirects more than {_LINK_REDIRECTS} times"
+            url = urllib.parse.urljoin(url, headers["location"])
+        else:
+            return None if status < 400 else f"answered {status}"
+
+
+def _links_check(samples, settings, own=""):
+    """Every distinct link of the samples, _LINK_WORKERS at a time."""
+    if not settings.get("links"):
+        return [], "Links were not checked: verify with links=1 checks every link of every message."
+    urls = sorted(set().union(*(_sample_links(raw, own) for _, raw, _ in samples)))
+    checked = urls[:_LINK_MAX]
+    allow = bool(settings.get("webhook_allow_private"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_LINK_WORKERS) as pool:
+        answers = dict(zip(checked, pool.map(lambda url: _link_answer(url, allow), checked)))
+    failing = [f"{url} ({answer})" for url, answer in answers.items() if answer]
+    beyond = f" (the first {_LINK_MAX} of {len(urls)})" if len(urls) > _LINK_MAX else ""
+    return [f"These links do not answer with a status under 400 within "
+            f"{_LINK_TIMEOUT:g} seconds: {', '.join(failing)}; correct them in the messages."
+            ] if failing else [], f"Every link answers ({len(checked)} checked{beyond})."
+
+
+def _spam_program(setting):
+    """``(kind, path)`` of the SpamAssassin to score with: the setting
+    ``spamassassin`` (spamc or spamassassin), else spamc when a spamd
+    answers, else spamassassin (offline rules); None when there is none."""
+    if setting:
+        return ("spamc" if os.path.basename(setting).startswith("spamc") else "spamassassin",
+                setting)
+    spamc = shutil.which("spamc")
+    if spamc:
+        looked = _SPAMD_LOOK.get(spamc)
+        if looked is None or time.monotonic() - looked[0] > 60:
+            try:
+                answered = subprocess.run([spamc, "--connect-retries=1", "-K"],
+                                          capture_output=True, timeout=10).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                answered = False
+            looked = _SPAMD_LOOK[spamc] = (time.monotonic(), answered)
+        if looked[1]:
+            return "spamc", spamc
+    spamassassin = shutil.which("spamassassin")
+    return ("spamassassin", spamassassin) if spamassassin else None
+
+
+def _spam_rules(report):
+    """``{rule: points}`` of a SpamAssassin report's table."""
+    table = report[report.find("Content analysis details"):] if \
+        "Content analysis details" in report else report
+    return {name: float(points) for points, name in re.findall(
+        r"(?m)^\s*(-?\d+(?:\.\d+)?)\s+([A-Z][A-Z0-9_]+)\s", table)}
+
+
+def _spam_scores(program, raws):
+    """``[(score, {rule: points})]`` of raw emails: spamc one by one (spamd
+    is quick), spamassassin in one run over an mbox (its start is the slow
+    part), offline (-L)."""
+    kind, path = program
+    if kind == "spamc":
+        scores = []
+        for raw in raws:
+            done = subprocess.run([path, "--connect-retries=1", "-R"], input=raw,
+                                  capture_output=True, timeout=_SPAM_TIMEOUT)
+            report = done.stdout.decode("utf-8", "replace")
+            first = re.match(r"\s*(-?[\d.]+)/", report)
+            if first is None:
+                raise OSError(f"spamc answered no score: {done.stderr.decode(errors='replace')}")
+            scores.append((float(first.group(1)), _spam_rules(report)))
+        return scores
+    mbox = b"".join(b"From MAILER-DAEMON Thu Jan  1 00:00:00 2026\n" + re.sub(
+        rb"(?m)^(>*From )", rb">\1", raw.replace(b"\r\n", b"\n")) + b"\n" for raw in raws)
+    done = subprocess.run([path, "-t", "-L", "--mbox"], input=mbox, capture_output=True,
+                          timeout=_SPAM_TIMEOUT)
+    reports = [report for report in re.split(r"(?m)^From MAILER-DAEMON .*\n", done.stdout.decode(
+        "utf-8", "replace")) if report.strip()]
+    scores = []
+    for report in reports:
+        status = " ".join(re.findall(r"(?m)^X-Spam-Status:(.*(?:\n[ \t].*)*)", report)[:1])
+        score = re.search(r"score=(-?[\d.]+)", status)
+        if score is not None:
+            scores.append((float(score.group(1)), _spam_rules(report)))
+    if len(scores) != len(raws):
+        raise OSError(f"spamassassin scored {len(scores)} of {len(raws)} emails: "
+                      f"{done.stderr.decode(errors='replace')[-300:]}")
+    return scores
+
+
+def _spam_check(samples, settings):
+    """Each sample scored by SpamAssassin; fails at or above ``spam_threshold``."""
+    program = _spam_program(settings.get("spamassassin"))
+    if program is None:
+        return [], ("Skipped: SpamAssassin is not installed (spamassassin or spamc on the PATH, "
+                    "or the setting spamassassin), so the emails were not scored.")
+    threshold = float(settings.get("spam_threshold") or 5.0)
+    unknown = [sample for sample in samples if (program, sample[2]) not in _SPAM_SCORES]
+    if unknown:
+        try:
+            scores = _spam_scores(program, [raw for _, raw, _ in unknown])
+        except (OSError, subprocess.SubprocessError) as error:
+            return [f"SpamAssassin ({program[1]}) could not score the emails: {error}"], ""
+        for (_, _, key), score in zip(unknown, scores):
+            _SPAM_SCORES[program, key] = score
+            while len(_SPAM_SCORES) > _SPAM_KEPT:
+                _SPAM_SCORES.popitem(last=False)
+    said, problems = [], []
+    for label, _, key in samples:
+        score, rules = _SPAM_SCORES[program, key]
+        hits = ", ".join(f"{name} {points:g}" for name, points in sorted(
+            rules.items(), key=lambda item: -abs(item[1]))) or "none"
+        text = f"{label} scores {score:g} (rules: {hits})"
+        (problems if score >= threshold else said).append(text)
+    if problems:
+        return [f"SpamAssassin scores at or above {threshold:g}: {'; '.join(problems)}. "
+                "Change what the rules point at, e.g. more text beside images, fewer "
+                "shouting words, a text body."], ""
+    return [], (f"SpamAssassin ({os.path.basename(program[1])}) scores every message under "
+                f"{threshold:g}: " + "; ".join(said) + ".")
+
+
+@_verify_check("size")
+def _verify_size(c):
+    return _size_check(_campaign_samples(c, c.settings))
+
+
+@_verify_check("links")
+def _verify_links_answer(c):
+    samples = _campaign_samples(c, c.settings)
+    return _links_check(samples, c.settings, c.own_links)
+
+
+@_verify_check("spam")
+def _verify_spam(c):
+    return _spam_check(_campaign_samples(c, c.settings), c.settings)
 
 
 # ---------------------------------------------------------------------------
@@ -10728,6 +11109,288 @@ class _RateLimit:
             stop.wait(slot - now)
 
 
+# Per-domain rates and the warm-up ----------------------------------------------
+#
+# Shared through the database, so every worker of several hosts counts the
+# same emails: a claim admits, in its own transaction, what each receiving
+# domain's rate and the day's warm-up cap allow now; the other claimed rows go
+# back to the queue due when their window ends, and the claims that follow
+# skip a domain whose window is full (no head-of-line blocking: other domains
+# go on).  Windows are fixed ones of the rate's unit, aligned to the clock.
+
+_RATE_UNITS = {"s": 1, "m": 60, "h": 3600}
+#: Seconds without a "slow down" deferral after which a halved rate rises by
+#: a tenth of the configured one (again each such period).
+_QUIET = 600
+#: A deferral that says "slow down" (section 20): 421, 450 to 452 (and SES's
+#: 454) or an enhanced 4.7.x status, mentioning rate, throttling or too many
+#: connections or messages.
+_SLOW_DOWN = re.compile(r"\brate|throttl|too many (?:concurrent )?(?:connections|messages|mails?"
+                        r"|sessions)", re.IGNORECASE)
+#: At most so many full domains are left out of a claim by name.
+_SKIPPED_DOMAINS = 200
+_BULK_KINDS = ("campaign", "automation")          # held by the warm-up's daily cap
+_WARMUP_KINDS = _BULK_KINDS + ("transactional",)  # counted toward it
+
+
+def _rate_domain(address):
+    """The receiving domain of an address after the alias table: one
+    receiver's domains count as one (googlemail.com is gmail.com; hotmail.*,
+    outlook.*, live.* and msn.com are outlook.com)."""
+    domain = address.rpartition("@")[2].lower()
+    if domain == "googlemail.com":
+        return "gmail.com"
+    if domain == "msn.com" or "." in domain and domain.partition(".")[0] in (
+            "hotmail", "outlook", "live"):
+        return "outlook.com"
+    return domain
+
+
+def _domain_patterns(domain):
+    """LIKE patterns of the addresses of a domain (_rate_domain()); the
+    outbox's to_addr compares without case on both engines.  A domain holds
+    no ``%``; a ``_`` matching any one character only skips a little more."""
+    return {"gmail.com": ["%@gmail.com", "%@googlemail.com"],
+            "outlook.com": ["%@hotmail.%", "%@outlook.%", "%@live.%", "%@msn.com"]
+            }.get(domain, ["%@" + domain])
+
+
+def _slows_down(code, reply):
+    return (code in (421, 450, 451, 452, 454) or reply.startswith("4.7.")) \
+        and bool(_SLOW_DOWN.search(reply))
+
+
+def _parse_domain_rates(value):
+    """``{domain: (emails, unit seconds)}`` of the setting ``domain_rates``:
+    ``{"gmail.com": "100/m", "*": "20/s"}`` or strings ``"DOMAIN=N/UNIT"``
+    (what ``--domain-rate`` gives); ValueError when one cannot be read."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        items = [str(item).partition("=")[::2] for item in
+                 ((value,) if isinstance(value, str) else value or ())]
+    rates = {}
+    for domain, rate in items:
+        domain = str(domain).strip().lower()
+        match = re.fullmatch(r"\s*(\d{1,9}(?:\.\d{1,6})?)\s*/\s*([smh])\s*", str(rate))
+        if not (match and float(match[1]) >= 1 and (domain == "*" or re.fullmatch(
+                rf"{_EMAIL_LABEL}(?:\.{_EMAIL_LABEL})+", domain))):
+            raise ValueError(f"domain_rates takes DOMAIN=N/UNIT (N at least 1, UNIT s, m or h, "
+                             f"DOMAIN a domain name or * for the others), such as "
+                             f"gmail.com=100/m, not {domain}={rate}")
+        rates["*" if domain == "*" else _rate_domain("@" + domain)] = (
+            float(match[1]), _RATE_UNITS[match[2]])
+    return rates
+
+
+def _parse_warmup(caps, start):
+    """``(caps, start date or None)`` of the settings ``warmup`` ("50,100,...",
+    or numbers) and ``warmup_start`` ("YYYY-MM-DD" or empty); ValueError."""
+    items = caps.split(",") if isinstance(caps, str) else list(caps or ())
+    try:
+        caps = tuple(int(str(cap).strip()) for cap in items if str(cap).strip())
+        start = datetime.date.fromisoformat(start) if start else None
+    except ValueError:
+        caps = None
+    if caps is None or any(cap < 1 for cap in caps):
+        raise ValueError("warmup takes daily caps such as 50,100,500 (whole numbers from 1) and "
+                         "warmup_start a date YYYY-MM-DD")
+    return caps, start
+
+
+def _day_text(now):
+    """The UTC day of Unix time ``now``, YYYY-MM-DD."""
+    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).date().isoformat()
+
+
+def _domain_rate_text(rate, unit):
+    letter = next(name for name, seconds in _RATE_UNITS.items() if seconds == unit)
+    return f"{round(rate, 2):g}/{letter}"
+
+
+def _paced_rate(pace, configured, now):
+    """``(rate now, raised)`` of a domain_pace row: halved rates rise by a
+    tenth of ``configured`` for each _QUIET seconds without a slow-down."""
+    rate = min(configured, pace["rate"] if pace["rate"] is not None else configured)
+    raised, quiet = pace["raised"], max(pace["slowed"], pace["raised"])
+    if rate < configured and now - quiet >= _QUIET:
+        steps = (now - quiet) // _QUIET
+        rate, raised = min(configured, rate + steps * configured / 10), quiet + steps * _QUIET
+    return rate, raised
+
+
+class _Pace:
+    """The settings ``domain_rates``, ``warmup`` and ``warmup_start`` as one
+    deliver() applies them in its claims."""
+
+    def __init__(self, domain_rates=None, warmup=(), warmup_start=""):
+        self.rates = _parse_domain_rates(domain_rates)
+        self.caps, self.start = _parse_warmup(warmup, warmup_start)
+
+    def rule(self, domain):
+        return self.rates.get(domain) or self.rates.get("*")
+
+    def skipped(self, conn, now):
+        """``(SQL, params)`` to add to the claim's WHERE: not the addresses of
+        a domain whose window is full."""
+        if not self.rates:
+            return "", ()
+        # The longest held first, a bounded number (a statement's parameters
+        # are limited): a full domain beyond them is claimed and put back.
+        patterns = [pattern for (domain,) in conn.execute(
+            "SELECT domain FROM domain_pace WHERE full_until > ? ORDER BY full_until DESC "
+            "LIMIT ?", (now, _SKIPPED_DOMAINS)) if self.rule(domain)
+            for pattern in _domain_patterns(domain)]
+        if not patterns:
+            return "", ()
+        return "AND NOT (" + " OR ".join("to_addr LIKE ?" for _ in patterns) + ") ", patterns
+
+    def warmup(self, conn, now, lock=True):
+        """``(day number from 1 or None, cap or None, sent today)``; with
+        ``lock``, today's row is made and locked until the transaction ends."""
+        today = datetime.date.fromisoformat(_day_text(now))
+        if lock:
+            conn.execute("INSERT INTO send_day (day) VALUES (?) ON CONFLICT DO NOTHING",
+                         (today.isoformat(),))
+            conn.execute("UPDATE send_day SET sent = sent WHERE day = ?", (today.isoformat(),))
+        sent = conn.execute("SELECT coalesce(sum(sent), 0) FROM send_day WHERE day = ?",
+                            (today.isoformat(),)).fetchone()[0]
+        if not self.caps:
+            return None, None, sent
+        start = self.start or datetime.date.fromisoformat(conn.execute(
+            "SELECT coalesce(min(day), ?) FROM send_day WHERE bulk > 0",
+            (today.isoformat(),)).fetchone()[0])
+        day = max(0, (today - start).days)
+        return day + 1, self.caps[day] if day < len(self.caps) else None, sent
+
+    def admit(self, conn, rows, now):
+        """Inside the claim's transaction: the claimed rows that go now; the
+        others are queued again, due when their domain's window ends or (over
+        the warm-up's cap) at the next UTC day."""
+        waiting = {}
+        counted = [row for row in rows if row["kind"] in _WARMUP_KINDS]
+        if counted:
+            _, cap, sent = self.warmup(conn, now)
+            tomorrow = (now // 86400 + 1) * 86400
+            for row in counted:
+                if row["kind"] in _BULK_KINDS and cap is not None and sent >= cap:
+                    waiting[row["id"]] = tomorrow
+                else:
+                    sent += 1   # admitted, unless its domain's rate holds it below
+        groups = {}
+        for row in rows:
+            domain = _rate_domain(row["to_addr"])
+            if row["id"] not in waiting and self.rule(domain):
+                groups.setdefault(domain, []).append(row)
+        for domain in sorted(groups):   # the same lock order in every worker
+            configured, unit = self.rule(domain)
+            conn.execute("INSERT INTO domain_pace (domain) VALUES (?) ON CONFLICT DO NOTHING",
+                         (domain,))
+            conn.execute("UPDATE domain_pace SET configured = ?, unit = ? WHERE domain = ?",
+                         (configured, unit, domain))
+            pace = conn.execute("SELECT * FROM domain_pace WHERE domain = ?", (domain,)).fetchone()
+            rate, raised = _paced_rate(pace, configured, now)
+            window = now - now % unit
+            used = pace["used"] if pace["win"] == window else 0
+            room = max(0, int(rate) - used)
+            for row in groups[domain][room:]:
+                waiting[row["id"]] = window + unit
+            used += min(room, len(groups[domain]))
+            conn.execute("UPDATE domain_pace SET rate = ?, raised = ?, win = ?, used = ?, "
+                         "full_until = ? WHERE domain = ?",
+                         (rate, raised, window, used, window + unit if used >= int(rate) else 0,
+                          domain))
+        going = [row for row in rows if row["id"] not in waiting]
+        if counted:
+            conn.execute("UPDATE send_day SET sent = sent + ?, bulk = bulk + ? WHERE day = ?", (
+                sum(row["kind"] in _WARMUP_KINDS for row in going),
+                sum(row["kind"] in _BULK_KINDS for row in going),
+                _day_text(now)))
+        if waiting:
+            conn.executemany(
+                "UPDATE outbox SET status = 'queued', claimed_by = NULL, claimed_at = NULL, "
+                "next_try = ? WHERE id = ?",
+                [(_time_text(datetime.datetime.fromtimestamp(due, datetime.timezone.utc)), id_)
+                 for id_, due in waiting.items()])
+        return going
+
+
+def _tally_domains(conn, tally, rates, now):
+    """Inside a transaction: the emails sent and deferred per domain
+    (``tally``: ``{domain: [sent, deferred, slowed]}``); a "slow down"
+    deferral halves the domain's rate (at most once a window of its unit, a
+    minute at most: the emails in flight went at the old rate), never below
+    one email a unit."""
+    minute = now // 60
+    for domain in sorted(tally):
+        sent, deferred, slowed = tally[domain]
+        conn.execute("INSERT INTO domain_pace (domain, sent, deferred) VALUES (?, ?, ?) "
+                     "ON CONFLICT (domain) DO UPDATE SET sent = domain_pace.sent + excluded.sent, "
+                     "deferred = domain_pace.deferred + excluded.deferred",
+                     (domain, sent, deferred))
+        conn.execute("INSERT INTO domain_minute (domain, minute, sent, deferred) VALUES (?, ?, ?, ?) "
+                     "ON CONFLICT (domain, minute) DO UPDATE SET "
+                     "sent = domain_minute.sent + excluded.sent, "
+                     "deferred = domain_minute.deferred + excluded.deferred",
+                     (domain, minute, sent, deferred))
+        rule = rates.get(domain) or rates.get("*")
+        if slowed and rule:
+            pace = conn.execute("SELECT * FROM domain_pace WHERE domain = ?", (domain,)).fetchone()
+            rate, _ = _paced_rate(pace, rule[0], now)
+            halve = now - pace["halved"] >= min(rule[1], 60)
+            conn.execute("UPDATE domain_pace SET slowed = ?, halved = ?, rate = ?, raised = 0 "
+                         "WHERE domain = ?", (now, now if halve else pace["halved"],
+                                              max(1.0, rate / 2) if halve else rate, domain))
+    conn.execute("DELETE FROM domain_minute WHERE minute < ?", (minute - 120,))
+    tally.clear()
+
+
+def _uncount_day(conn, unsent, now):
+    """Inside a transaction: the warm-up counts emails sent, so those it
+    admitted that did not go (deferred, failed, skipped, not tried) come off
+    today's figures; ``unsent``: [others, bulk], emptied."""
+    conn.execute("UPDATE send_day SET sent = CASE WHEN sent > ? THEN sent - ? ELSE 0 END, "
+                 "bulk = CASE WHEN bulk > ? THEN bulk - ? ELSE 0 END WHERE day = ?",
+                 (sum(unsent), sum(unsent), unsent[1], unsent[1], _day_text(now)))
+    unsent[:] = [0, 0]
+
+
+def _deliverability(conn, config):
+    """The deliverability record: the service's per-domain rates, their last
+    hour, what waits for each, and the warm-up's day."""
+    pace, now = _Pace(config["domain_rates"], config["warmup"], config["warmup_start"]), \
+        int(time.time())
+    paces = {row["domain"]: row for row in conn.execute("SELECT * FROM domain_pace")}
+    hour = {domain: (sent, deferred) for domain, sent, deferred in conn.execute(
+        "SELECT domain, sum(sent), sum(deferred) FROM domain_minute WHERE minute > ? "
+        "GROUP BY domain", (now // 60 - 60,))}
+    queued = {}
+    for domain, count in conn.execute(
+            f"SELECT {conn.sql['address_domain'].format(expr='to_addr')} AS d, count(*) "
+            "FROM outbox WHERE status = 'queued' GROUP BY d"):
+        queued[_rate_domain("@" + domain)] = queued.get(_rate_domain("@" + domain), 0) + count
+    domains = []
+    for domain in sorted({d for d in pace.rates if d != "*"} | set(hour) | set(queued) | {
+            d for d, row in paces.items() if row["rate"] is not None and row["configured"]
+            and row["rate"] < row["configured"]}):
+        rule, row = pace.rule(domain), paces.get(domain)
+        rate = rule and (_paced_rate(row, rule[0], now)[0] if row else rule[0])
+        sent, deferred = hour.get(domain, (0, 0))
+        domains.append({"domain": domain, "rate": rule and _domain_rate_text(rate, rule[1]),
+                        "configured": rule and _domain_rate_text(*rule), "sent_hour": str(sent),
+                        "deferred_hour": str(deferred), "queued": str(queued.get(domain, 0))})
+    day, cap, sent = pace.warmup(conn, now, lock=False)
+    return {"id": "0", "domains": domains, "warmup": {
+        "day": day and str(day), "cap": cap and str(cap), "sent_today": str(sent)}}
+
+
+def _deliverability_get(call, record_id):
+    if record_id != 0:
+        raise NotFound("There is one deliverability record, the service's: "
+                       "GET /v1/deliverability/0.")
+    return {"deliverability": _deliverability(call.conn, call.service.config)}
+
+
 _COUNTS = ("sent", "retried", "failed", "bounced", "skipped", "requeued")
 
 
@@ -10790,20 +11453,31 @@ class _Courier:
         self.smtp = None
         self.looked = time.monotonic()   # when it last looked for dead workers' leases
         self.letters, self.fields = {}, {}  # per (batch, message) and per datasource
+        self.tally = {}   # per domain: [sent, deferred, slowed] not yet written
+        self.unsent = [0, 0]   # emails the warm-up counted that did not go: [other, bulk]
 
     # The database side.
 
     def claim(self, first=False):
-        """Claim due rows, those of the highest priority first (the index
-        outbox_claim gives them in that order).  ``first``: only rows of a
-        priority above 0 (a transactional email), looked for by a read
-        before any lock is taken."""
+        """Claim the next chunk of due rows, those of the highest priority
+        first (the index outbox_claim gives them in that order); of those,
+        the ones the domains' rates and the warm-up admit now (a chunk they
+        all wait out is followed by another, a few times at most).
+        ``first``: only rows of a priority above 0 (a transactional email),
+        looked for by a read before any lock is taken."""
+        for _ in range(8):
+            rows, claimed = self.claim_chunk(first)
+            if rows or not claimed:
+                return rows
+        return []
+
+    def claim_chunk(self, first):
         due = self.run.now or _now()
         priority = "AND priority > 0 " if first else ""
         if first and not self.conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'queued' AND priority > 0 "
                 "AND next_try <= ?)", (due,)).fetchone()[0]:
-            return []
+            return [], 0
         with transaction(self.conn):
             if time.monotonic() - self.looked >= _CLAIM_RENEW:
                 # While busy, also hand a dead worker's rows back to the queue.
@@ -10811,17 +11485,23 @@ class _Courier:
                 _take_back(self.conn, _time_text(self.run.now) if self.run.now else _now(),
                            self.run.stale_claim)
             # On PostgreSQL each worker takes rows no other has locked.
+            # Not those of a domain whose rate's window is full (_Pace).
+            clock = int(time.time())
+            skip, skipped = self.run.pace.skipped(self.conn, clock)
             rows = self.conn.execute(
                 "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
                 f"WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' {priority}"
-                "AND next_try <= ? ORDER BY priority DESC, next_try LIMIT ? "
+                f"AND next_try <= ? {skip}ORDER BY priority DESC, next_try LIMIT ? "
                 f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
                 "html, attempts, fromname, fromaddress, replyto, campaign, base_url, prepared, "
                 "merge_values, priority",
-                (self.run.worker_id, _now(), due, self.run.chunk)).fetchall()
+                (self.run.worker_id, _now(), due, *skipped, self.run.chunk)).fetchall()
+            claimed = len(rows)
+            if rows:
+                rows = self.run.pace.admit(self.conn, rows, clock)
         # RETURNING keeps no order: the higher priority is sent first.
-        return sorted(rows, key=lambda row: -row["priority"])
+        return sorted(rows, key=lambda row: -row["priority"]), claimed
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["recipient"] is not None and (
@@ -10855,6 +11535,11 @@ class _Courier:
                 [(*result, worker) for result in results])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
+            # The day's row before the domains' rows, as a claim locks them (no deadlock).
+            if any(self.unsent) and attempting is None:
+                _uncount_day(self.conn, self.unsent, int(time.time()))
+            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
+                _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
             if attempting is not None:
                 mine = self.conn.execute(
                     "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
@@ -11060,6 +11745,8 @@ class _Courier:
         def outcome(row, counted, status, attempts, next_try=None, error=None, sent=None):
             results.append((status, attempts, next_try, error, sent, row["id"]))
             counts[counted] += 1
+            if counted != "sent" and row["kind"] in _WARMUP_KINDS:   # admitted, not sent
+                self.unsent[row["kind"] in _BULK_KINDS] += 1
 
         rows, looked = collections.deque(rows), time.monotonic()
         while rows:
@@ -11087,7 +11774,7 @@ class _Courier:
                         error="the recipient unsubscribed, bounced or was removed")
                 continue
             sender, data = built
-            run.pace.wait(run.stop)
+            run.pacer.wait(run.stop)
             if run.sign:
                 data = run.sign(data)
             if not self.record(results, bounces, attempting=row["id"]):
@@ -11105,11 +11792,16 @@ class _Courier:
                 outcome(row, "requeued", "queued", row["attempts"],
                         _shift(_now(), _CONNECTION_RETRY), unreachable)
                 continue
+            tally = self.tally.setdefault(_rate_domain(row["to_addr"]), [0, 0, False])
             if reply is None:
+                tally[0] += 1
                 outcome(row, "sent", "sent", attempts, sent=_now())
                 continue
             code, text = reply
             error = f"{code} {text}"
+            if 400 <= code < 500:   # a deferral; "slow down" halves the domain's rate
+                tally[1] += 1
+                tally[2] = tally[2] or _slows_down(code, text)
             if 400 <= code < 500 and attempts < run.max_attempts:
                 delay = min(_RETRY_BASE * 2 ** row["attempts"], _RETRY_CAP)
                 outcome(row, "retried", "queued", attempts, _shift(_now(), delay), error)
@@ -11156,8 +11848,9 @@ class _Run:
 
     def __init__(self, db, address, *, starttls, username, password, rate, chunk, worker_id,
                  sign, public_url, mail_from, secret, max_attempts, timeout, now, stop,
-                 on_event=None, bounce_domain="", stale_claim=_STALE_CLAIM):
+                 on_event=None, bounce_domain="", stale_claim=_STALE_CLAIM, pace=None):
         self.db = db
+        self.pace = pace or _Pace()
         self.host, self.port = address
         self.starttls, self.username, self.password = starttls, username, password
         self.rate, self.chunk, self.worker_id, self.sign = rate, chunk, worker_id, sign
@@ -11166,7 +11859,7 @@ class _Run:
         self.on_event = on_event
         self.bounce_domain = bounce_domain
         self.stale_claim = stale_claim
-        self.pace = _RateLimit(rate)
+        self.pacer = _RateLimit(rate)
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(_COUNTS, 0)
         self.error = None
@@ -11200,7 +11893,8 @@ class _Run:
 def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=None,
             connections=1, rate=None, batch_size=100, worker_id=None, dkim=None, public_url="",
             mail_from=None, secret=None, max_attempts=_MAX_ATTEMPTS, timeout=60, now=None,
-            stop=None, stale_claim=_STALE_CLAIM, on_event=None, bounce_domain=""):
+            stop=None, stale_claim=_STALE_CLAIM, on_event=None, bounce_domain="",
+            domain_rates=None, warmup=(), warmup_start=""):
     """Send the outbox rows that are due over SMTP; returns counts.
 
     Each row is claimed in a short transaction before it is sent, so workers
@@ -11236,9 +11930,13 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         bounces after their commit (see emit()).
     :param bounce_domain: the setting ``bounce_domain``: campaign emails get the
         VERP envelope sender ``bounces+TOKEN@bounce_domain``.
+    :param domain_rates: the setting ``domain_rates``: at most so many emails
+        an interval to each receiving domain, counted with every worker of
+        the database (see _Pace); ``warmup`` and ``warmup_start`` the daily caps.
     :returns: ``{"sent", "retried", "failed", "bounced", "skipped", "requeued": n, "error": str|None}``.
     """
     address = _smtp_address(smtp)
+    pace = _Pace(domain_rates, warmup, warmup_start)
     conn = connect(db)
     try:
         if secret is None:
@@ -11268,7 +11966,7 @@ def deliver(db, smtp="localhost:25", *, starttls=False, username=None, password=
         mail_from=mail_from or _default_mail_from(), secret=secret, max_attempts=max_attempts,
         timeout=timeout, now=_time_text(now) if now is not None else None,
         stop=stop or threading.Event(), on_event=on_event, bounce_domain=bounce_domain,
-        stale_claim=stale_claim)
+        stale_claim=stale_claim, pace=pace)
     couriers = [_Courier(run) for _ in range(max(1, connections))]
     done = threading.Event()
     threading.Thread(target=_renew_leases, args=(run, done), daemon=True,
@@ -11774,6 +12472,10 @@ _RECORD_SCHEMAS = {
     "verify": _record_schema(
         "id campaign passed checks verified", passed=_FLAG_ANSWER,
         checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
+    "deliverability": _record_schema(
+        "id domains warmup", domains={"type": "array", "items": _record_schema(
+            "domain rate configured sent_hour deferred_hour queued")},
+        warmup=_record_schema("day cap sent_today")),
     "check": _record_schema("check passed message", check={"type": "string"},
                             passed=_FLAG_ANSWER, message={"type": "string"}),
     "archive": _record_schema("id campaign batches " + " ".join(_STATISTICS)
@@ -11807,6 +12509,8 @@ _OPENAPI_VERBS = {"GET": "Get", "PUT": "Create", "POST": "Change", "DELETE": "De
 #: route's last path word).
 _PARAM_DOCS = {
     "limit": ("How many records a page holds, 1 to 1000 (default 100).", 50),
+    "links": ("'1': also check that every link of every message answers (HEAD, then GET; "
+              "under 400 within 5 seconds, at most 5 redirects).", "1"),
     "offset": ("How many records to skip before the page (default 0).", 0),
     "id": ("The record's id again, as in the path: a guard against deleting or "
            "changing the wrong record.", 1),
@@ -12325,7 +13029,8 @@ ROUTES = [
     Route("POST",   "/campaign/{parent_id}/message/{child_id}", "write", LINK.change),
     Route("DELETE", "/campaign/{parent_id}/message/{child_id}", "write", LINK.delete),
     Route("GET",    "/campaign/{parent_id}/structure/{child_id}", "read", _campaign_structure_get),
-    Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get),
+    Route("GET",    "/campaign/{parent_id}/verify/{child_id}", "read", _campaign_verify_get,
+          "links:flag"),
     Route("GET",    "/campaign/{parent_id}/preview/{child_id}", "read", _campaign_preview,
           "recipient:scalar", summary="Preview a campaign message as a recipient gets it",
           answers="preview", errors=(409,)),   # 409: no recipient, or an unusable template
@@ -12347,6 +13052,8 @@ ROUTES = [
 
     # Webhooks: stored events posted to services elsewhere, signed
     Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),
+    Route("GET",    "/deliverability/{id}", "read", _deliverability_get, answers="deliverability",
+          summary="The service's per-domain rates, their last hour and the warm-up's day"),
     Route("PUT",    "/webhook/{id}", "create", WEBHOOK.create, answers=_ANSWER_WEBHOOK,
           summary="Create webhook (answers its signing secret, once)"),
     Route("POST",   "/webhook/{id}", "write",  WEBHOOK.change),
@@ -12422,6 +13129,105 @@ ROUTES = [
 Route.table = ROUTES
 
 
+# GET /metrics ------------------------------------------------------------------
+#
+# The Prometheus text format, made by prometheus_client (the extra
+# campaignapi[metrics]): its exposition and label escaping are the format's
+# reference, and its parser is what the tests read the answer with.  Figures
+# that live in the database are read from it at each scrape, so every process
+# of several hosts answers the same totals; the request figures are this
+# process's own, as Prometheus expects of each target.
+
+class _DatabaseFigures:
+    """A prometheus_client collector: the database's figures at each scrape."""
+
+    def __init__(self, db, metrics):
+        self.db, self.metrics = db, metrics
+
+    def collect(self):
+        gauge, counter = self.metrics.GaugeMetricFamily, self.metrics.CounterMetricFamily
+        conn = connect(self.db)
+        try:
+            def family(kind, name, text, labels, sql, args=()):
+                made = kind(name, text, labels=labels)
+                for *values, count in conn.execute(sql, args):
+                    made.add_metric([str(value) for value in values], count)
+                return made
+
+            yield family(gauge, "campaignapi_emails", "Emails in the outbox by kind and status.",
+                         ["kind", "status"],
+                         "SELECT kind, status, count(*) FROM outbox GROUP BY kind, status")
+            yield family(gauge, "campaignapi_outbox_queued",
+                         "Outbox emails not yet sent: due, waiting (a retry, a domain's rate, "
+                         "the warm-up) or being sent.", ["status"],
+                         "SELECT CASE WHEN status = 'sending' THEN 'sending' WHEN next_try <= ? "
+                         "THEN 'due' ELSE 'waiting' END AS s, count(*) FROM outbox "
+                         "WHERE status IN ('queued', 'sending') GROUP BY s", (_now(),))
+            yield family(gauge, "campaignapi_batches", "Batches by status.", ["status"],
+                         "SELECT status, count(*) FROM batch GROUP BY status")
+            runs = gauge("campaignapi_runs", "Automation runs by status.", labels=["status"])
+            if conn.execute(conn.sql["table_exists"], ("run",)).fetchone():
+                for status, count in conn.execute(
+                        "SELECT status, count(*) FROM run GROUP BY status"):
+                    runs.add_metric([status], count)
+            yield runs
+            yield family(counter, "campaignapi_deferrals", "SMTP deferrals (4xx) by domain.",
+                         ["domain"], "SELECT domain, deferred FROM domain_pace WHERE deferred > 0")
+            yield family(gauge, "campaignapi_domain_rate",
+                         "Each rated domain's rate now, emails a second.", ["domain"],
+                         "SELECT domain, coalesce(rate, configured) / unit FROM domain_pace "
+                         "WHERE configured IS NOT NULL")
+            yield family(gauge, "campaignapi_webhook_deliveries",
+                         "Webhook deliveries by outcome.", ["outcome"],
+                         "SELECT status, count(*) FROM hook_delivery GROUP BY status")
+            yield family(gauge, "campaignapi_imports", "Imports by status.", ["status"],
+                         "SELECT status, count(*) FROM import GROUP BY status")
+        finally:
+            conn.close()
+
+
+def _metrics_library():
+    try:
+        import prometheus_client
+        import prometheus_client.core
+    except ImportError:
+        raise ValueError("the setting metrics needs prometheus_client: "
+                         "pip install 'campaignapi[metrics]'") from None
+    return prometheus_client
+
+
+def _metrics_route(service):
+    """The handler of GET /metrics for ``service``; sets its observe()."""
+    metrics = _metrics_library()
+    registry = metrics.CollectorRegistry()
+    requests = metrics.Counter("campaignapi_http_requests", "HTTP requests answered, by route "
+                               "and status.", ["method", "route", "status"], registry=registry)
+    seconds = metrics.Histogram("campaignapi_http_request_duration_seconds",
+                                "Time to answer an HTTP request, by route.", ["method", "route"],
+                                registry=registry)
+    registry.register(_DatabaseFigures(service.db, metrics.core))
+
+    def observe(method, route, status, elapsed):
+        requests.labels(method, route, str(status)).inc()
+        seconds.labels(method, route).observe(elapsed)
+
+    service.observe = observe
+    token = service.config["metrics_token"]
+
+    def answer():
+        started = time.perf_counter()
+        given = _request_header("Authorization") or ""
+        if token and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            outcome = Unauthorized("GET /metrics needs Authorization: Bearer with the "
+                                   "metrics token.")
+        else:
+            outcome = bottle.HTTPResponse(metrics.generate_latest(registry), 200,
+                                          {"Content-Type": metrics.CONTENT_TYPE_LATEST})
+        return service.finish(_new_response_id(), started, outcome, path="/metrics")
+
+    return answer
+
+
 def _checked_bounce_settings(config):
     """The settings of the bounce routes checked (ValueError naming the one at
     fault), so a wrong one fails at start rather than on a provider's call."""
@@ -12450,14 +13256,19 @@ def create_app(db="campaignapi.db", **config):
     :param db: path of the SQLite file; created with the schema if new.
     :param config: any key of DEFAULT_CONFIG (max_body, public_url, secret).
     :raises ValueError: a bounce setting that cannot work (bounce_domain,
-        postmark_credentials, sendgrid_public_key, ses_topic_arns), or an
-        allowed_hosts pattern that is no host name.
+        postmark_credentials, sendgrid_public_key, ses_topic_arns), an
+        allowed_hosts pattern that is no host name, or domain_rates, warmup or
+        warmup_start that cannot be read.
     """
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"create_app() got unknown settings: {', '.join(sorted(unknown))}")
     config = _checked_bounce_settings({**DEFAULT_CONFIG, **config})
     config["allowed_hosts"] = _checked_hosts(config["allowed_hosts"])
+    _Pace(config["domain_rates"], config["warmup"], config["warmup_start"])   # ValueError
+    if not isinstance(config["spam_threshold"], (int, float)) or isinstance(
+            config["spam_threshold"], bool):
+        raise ValueError("spam_threshold must be a number, such as 5.0")
     init_db(db)
     service = _Service(db, config)
     service.sns_fetch, service.sns_cert_host = _fetch_https, _SNS_CERT_HOST
@@ -12472,6 +13283,8 @@ def create_app(db="campaignapi.db", **config):
                   name=f"{route.method} {route.path}")
     # The root sends people and tools to the index.
     app.route("/", "GET", callback=service.root, name="root")
+    if config["metrics"]:   # not an API route of /v1: Prometheus text, not the envelope
+        app.route("/metrics", "GET", callback=_metrics_route(service), name="metrics")
     # Last, so that every real route matches first.
     for rule in ("/", "/<path:path>"):
         app.route(rule, "ANY", callback=service.no_route, name=f"no route {rule}")
@@ -12616,6 +13429,34 @@ def _imap(text):
 @_argument_type
 def _allowed_host(text):
     return _checked_hosts(text)[0]
+
+
+@_argument_type
+def _threshold(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or value != value or abs(value) == float("inf"):
+        raise ValueError(f"must be a number such as 5.0, not {text!r}")
+    return value
+
+
+@_argument_type
+def _domain_rate(text):
+    _parse_domain_rates([text])
+    return text
+
+
+@_argument_type
+def _warmup(text):
+    return _parse_warmup(text, "")[0]
+
+
+@_argument_type
+def _warmup_start(text):
+    _parse_warmup((), text)
+    return text
 
 
 @_argument_type
@@ -12782,6 +13623,11 @@ def _new_account_key(db, email):
 
 def _cmd_serve(args):
     options = _worker_options(args)
+    if args.metrics:
+        try:
+            _metrics_library()
+        except ValueError as error:
+            raise _Refused(f"--metrics: {error}") from None
     _cli_check_database(args.db, must_exist=False)
     sockets, port = _claim_port(args.host, args.port)
     try:
@@ -12790,7 +13636,10 @@ def _cmd_serve(args):
         public_url = "" if args.allowed_host and not args.public_url else options["public_url"]
         with _database_errors(args.db):
             secret = _new_account_key(args.db, args.email)
-            app = create_app(args.db, public_url=public_url, max_body=args.max_body,
+            pace = {name: options[name] for name in ("domain_rates", "warmup", "warmup_start")}
+            app = create_app(args.db, public_url=public_url, max_body=args.max_body, **pace,
+                             spamassassin=args.spamassassin, spam_threshold=args.spam_threshold,
+                             metrics=args.metrics, metrics_token=args.metrics_token,
                              allowed_hosts=tuple(args.allowed_host or ()),
                              webhook_allow_private=args.webhook_allow_private,
                              templates_dir=args.templates_dir or "", signup_rate=args.signup_rate,
@@ -12960,6 +13809,17 @@ def _add_delivery_options(parser):
     parser.add_argument("--templates-dir", default=None, type=_folder, metavar="DIR",
                         help="where template files named by a campaign's defaulttemplate live "
                              "(NAME.html, NAME.txt) (default: none, template records only)")
+    group.add_argument("--domain-rate", action="append", default=None, type=_domain_rate,
+                       metavar="DOMAIN=N/UNIT",
+                       help="at most N emails a second, minute or hour (UNIT s, m or h) to the "
+                            "addresses of DOMAIN (* for every other domain), counted with every "
+                            "worker of the database; repeatable (default: no limit)")
+    group.add_argument("--warmup", default=None, type=_warmup, metavar="N,N,...",
+                       help="daily caps of campaign and automation emails, day by day from "
+                            "--warmup-start (default: none)")
+    group.add_argument("--warmup-start", default=None, type=_warmup_start, metavar="YYYY-MM-DD",
+                       help="the first day of --warmup (default: the day of the first campaign "
+                            "email)")
     group.add_argument("--bounce-domain", default=None, type=_domain, metavar="DOMAIN",
                        help="VERP: each campaign email's envelope sender is bounces+TOKEN@DOMAIN, "
                             "so a later bounce names its email (default: none)")
@@ -13001,7 +13861,14 @@ def _worker_options(args):
             "mail_from": args.mail_from, "dkim": dkim, "public_url": args.public_url or "",
             "webhook_allow_private": args.webhook_allow_private,
             "templates_dir": args.templates_dir or "",
-            "bounce_domain": args.bounce_domain or "", "bounce_mailbox": _mailbox_options(args)}
+            "bounce_domain": args.bounce_domain or "", "bounce_mailbox": _mailbox_options(args),
+            **_pace_settings(args)}
+
+
+def _pace_settings(args):
+    """The deliverability settings of the command line (serve and worker)."""
+    return {"domain_rates": tuple(args.domain_rate or ()), "warmup": args.warmup or (),
+            "warmup_start": args.warmup_start or ""}
 
 
 def _cmd_key(args):
@@ -13088,6 +13955,22 @@ def main(argv=None):
                             "and export notifications go (default: %(default)s)")
     _add_delivery_options(serve)
     _add_mailbox_options(serve)
+    checks = serve.add_argument_group("deliverability: verify's spam check, GET /metrics")
+    checks.add_argument("--spamassassin", default="", metavar="PATH",
+                        help="the SpamAssassin program verify scores emails with, spamc or "
+                             "spamassassin (default: spamc when a spamd answers, else "
+                             "spamassassin, from the PATH; none: the check is skipped)")
+    checks.add_argument("--spam-threshold", type=_threshold, metavar="SCORE",
+                        default=DEFAULT_CONFIG["spam_threshold"],
+                        help="verify's spam check fails at or above this score "
+                             "(default: %(default)s)")
+    checks.add_argument("--metrics", action="store_true",
+                        help="serve GET /metrics in the Prometheus text format (needs "
+                             "campaignapi[metrics]) (default: off)")
+    checks.add_argument("--metrics-token", default=os.environ.get("CAMPAIGNAPI_METRICS_TOKEN", ""),
+                        metavar="TOKEN", help="GET /metrics asks for Authorization: Bearer "
+                                              "TOKEN (default: $CAMPAIGNAPI_METRICS_TOKEN; "
+                                              "none: no key)")
     providers = serve.add_argument_group("provider callbacks of bounces and complaints "
                                          "(each route answers 404 until its option is given)")
     providers.add_argument("--mailgun-signing-key", default=None, metavar="KEY",

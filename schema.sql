@@ -551,3 +551,43 @@ CREATE TABLE IF NOT EXISTS transactional (
     created TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS transactional_owner ON transactional(owner, to_addr);
+
+-- Deliverability (version 9).  A receiving domain's pace, shared by every
+-- worker of the database: emails admitted in the current window of its rate
+-- (fixed windows of the rate's unit, aligned to the clock), the rate now
+-- (halved after a "slow down" deferral, raised a tenth each quiet 10
+-- minutes) and totals.  A domain is named after the alias table
+-- (googlemail.com is gmail.com; hotmail.*, outlook.*, live.*, msn.com are
+-- outlook.com).  Times are Unix seconds.
+CREATE TABLE IF NOT EXISTS domain_pace (
+    domain      TEXT PRIMARY KEY,
+    configured  REAL,                        -- the setting's emails a unit; NULL: no rate
+    unit        INTEGER NOT NULL DEFAULT 1,  -- the rate's unit in seconds: 1, 60 or 3600
+    rate        REAL,                        -- the rate now; NULL: the configured one
+    win         INTEGER NOT NULL DEFAULT 0,  -- start of the current window
+    used        INTEGER NOT NULL DEFAULT 0,  -- emails admitted in it
+    full_until  INTEGER NOT NULL DEFAULT 0,  -- its end once used reached the rate
+    slowed      INTEGER NOT NULL DEFAULT 0,  -- the last "slow down" deferral
+    halved      INTEGER NOT NULL DEFAULT 0,  -- the last halving
+    raised      INTEGER NOT NULL DEFAULT 0,  -- the last raise by a tenth
+    sent        INTEGER NOT NULL DEFAULT 0,  -- totals (GET /metrics)
+    deferred    INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS domain_pace_full ON domain_pace(full_until);
+-- Emails sent and deferred per domain and minute (Unix seconds // 60), kept
+-- two hours: the last hour's figures of GET /v1/deliverability/0.
+CREATE TABLE IF NOT EXISTS domain_minute (
+    domain      TEXT NOT NULL,
+    minute      INTEGER NOT NULL,
+    sent        INTEGER NOT NULL DEFAULT 0,
+    deferred    INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (domain, minute)
+);
+CREATE INDEX IF NOT EXISTS domain_minute_age ON domain_minute(minute);
+-- Emails handed to the relay each UTC day that the warm-up counts:
+-- campaign, automation and transactional ones (``bulk``: the first two).
+CREATE TABLE IF NOT EXISTS send_day (
+    day         TEXT PRIMARY KEY,            -- YYYY-MM-DD
+    sent        INTEGER NOT NULL DEFAULT 0,
+    bulk        INTEGER NOT NULL DEFAULT 0
+);

@@ -80,6 +80,10 @@ in the same run:
            (issue 28 asks it at 100,000 emails).  Then 5 alternating rounds
            of 100 PUT /v1/message/0 with a new Idempotency-Key each vs
            without.  Target: keyed >= 0.5 of unkeyed.
+  rates    M campaign emails to recipients of 50 domains over one
+           connection with per-domain rates on ({"*": "100000/s"}: counted
+           in the database, none binding) vs without, in the same round.
+           Target: ratio >= 0.8.  Median of R rounds.
 
   hosts    (PostgreSQL only) several hosts on one machine: two API processes
            and two worker processes on one database, H recipients (50,000)
@@ -96,6 +100,7 @@ benchmark gets a new database there, dropped at its end.
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import os
@@ -492,16 +497,36 @@ loop.run_forever()
 """
 
 
-def bench_deliver(args, tmp):
+@contextlib.contextmanager
+def sink_port(count):
+    """The port of ``count`` SMTP sink processes sharing it (SO_REUSEPORT), so
+    that a pool's connections are not all served by one Python process."""
     port = free_port()
-    # The sink: processes sharing the port (SO_REUSEPORT), so that the
-    # pool's connections are not all served by one Python process.
     sinks = [subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(args.sinks)]
+                              text=True) for _ in range(count)]
     try:
         for sink in sinks:
             sink.stdout.readline()
         wait_port(port)
+        yield port
+    finally:
+        for sink in sinks:
+            sink.terminate()
+            sink.wait(timeout=10)
+
+
+def timed_delivery(db, port, emails, **options):
+    """Seconds deliver() takes to send the ``emails`` queued to the sink at ``port``."""
+    started = time.perf_counter()
+    counts = campaignapi.deliver(db, smtp=f"127.0.0.1:{port}", **options)
+    elapsed = time.perf_counter() - started
+    if counts["sent"] != emails:
+        raise RuntimeError(f"deliver sent {counts}")
+    return elapsed
+
+
+def bench_deliver(args, tmp):
+    with sink_port(args.sinks) as port:
         import smtplib
         from email.message import EmailMessage
         # Baseline: M pre-built messages over one connection.
@@ -557,12 +582,7 @@ def bench_deliver(args, tmp):
                 if sent != args.emails:
                     raise RuntimeError(f"{workers} workers sent {sent}")
                 return elapsed
-            started = time.perf_counter()
-            counts = campaignapi.deliver(db, smtp=f"127.0.0.1:{port}", connections=connections)
-            elapsed = time.perf_counter() - started
-            if counts["sent"] != args.emails:
-                raise RuntimeError(f"deliver sent {counts}")
-            return elapsed
+            return timed_delivery(db, port, args.emails, connections=connections)
 
         # Rounds of (baseline, 1 connection, 4 connections, baseline over 4):
         # the load of a shared machine changes within seconds, so each ratio
@@ -598,10 +618,47 @@ def bench_deliver(args, tmp):
         figures["template_ratio"] = round(times["c1"] / times["c1t"], 2)
         figures["peak_rss_mb"] = round(peak_rss_mb(), 1)
         return figures
-    finally:
-        for sink in sinks:
-            sink.terminate()
-            sink.wait(timeout=10)
+
+
+#: The rates benchmark's domains, and a rate per domain no delivery reaches.
+RATE_DOMAINS, UNBINDING_RATE = 50, "100000/s"
+
+
+def bench_rates(args, tmp):
+    """M campaign emails to recipients of 50 domains delivered over one
+    connection with per-domain rates on (every domain's rate far above what
+    is sent: none binds) vs without, the same work in the same round."""
+    with sink_port(args.sinks) as port:
+        def deliver(folder, **pace):
+            os.makedirs(folder)
+            db, app, api = new_service(folder)
+            datasource = int(api("PUT", "/datasource/0", name="bench")["id"])
+            conn = campaignapi.connect(db)
+            with campaignapi.transaction(conn):
+                conn.executemany(
+                    "INSERT INTO recipient (datasource, email, data) VALUES (?, ?, '{}')",
+                    ((datasource, f"user{i}@d{i % RATE_DOMAINS}.example")
+                     for i in range(args.emails)))
+            conn.close()
+            campaign = build_campaign(api, datasource)
+            api("PUT", f"/campaign/{campaign}/send/0", timestamp="2000-01-01 00:00:00")
+            campaignapi.process_due(db)
+            return timed_delivery(db, port, args.emails, **pace)
+
+        rounds = []
+        for number in range(args.rounds):
+            rounds.append({"off": deliver(os.path.join(tmp, f"{number}off")),
+                           "on": deliver(os.path.join(tmp, f"{number}on"),
+                                         domain_rates={"*": UNBINDING_RATE})})
+        rounds.sort(key=lambda t: t["off"] / t["on"])
+        times = rounds[len(rounds) // 2]
+        return {"emails": args.emails, "domains": RATE_DOMAINS, "rounds": args.rounds,
+                "off_seconds": round(times["off"], 2), "on_seconds": round(times["on"], 2),
+                "off_per_s": round(args.emails / times["off"]),
+                "on_per_s": round(args.emails / times["on"]),
+                "ratio": round(times["off"] / times["on"], 2),
+                "ratios": [round(t["off"] / t["on"], 2) for t in rounds],
+                "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
 SERVER = """
@@ -1861,7 +1918,8 @@ def bench_abtest(args, tmp):
 BENCHES = {"import": bench_import, "queue": bench_queue, "deliver": bench_deliver,
            "api": bench_api, "archive": bench_archive, "tracking": bench_tracking,
            "signup": bench_signup, "hosts": bench_hosts, "during-import": bench_during_import,
-           "scale": bench_scale, "transactional": bench_transactional, "abtest": bench_abtest}
+           "scale": bench_scale, "transactional": bench_transactional, "abtest": bench_abtest,
+           "rates": bench_rates}
 STEPS = {**BENCHES, "import-api": bench_import_api, "scale-step": bench_scale_step}  # what a child process can run
 
 TARGETS = {
@@ -1884,6 +1942,7 @@ TARGETS = {
     and f["keyed_ratio"] >= 0.8,   # issue 31: a keyed create >= 0.8 of an unkeyed one
     # Issue 27's figures are for 1,000,000 recipients (small runs are small-scale).
     "abtest": lambda f: f["winner_seconds"] <= 10 and f["choose_seconds"] <= 1,
+    "rates": lambda f: f["ratio"] >= 0.8,
 }
 
 
@@ -1969,6 +2028,10 @@ def summary(name, f):
                 f"{f['untracked_seconds']} s (ratio {f['tracked_ratio']})\n"
                 f"         with a template, 1 conn {f['c1t_per_s']}/s ({f['template_ratio']} "
                 f"of without; target >= 0.9)")
+    if name == "rates":
+        return (f"rates    {f['emails']:>9,} emails to {f['domains']} domains, 1 conn: with "
+                f"per-domain rates (none binding) {f['on_per_s']}/s, without {f['off_per_s']}/s"
+                f"  ratio {f['ratio']} (rounds {f['ratios']}; target >= 0.8)")
     if name == "archive":
         return (f"archive  {f['recipients']:>9,} recipients, {f['events']:,} events  archive "
                 f"{f['archive_seconds']} s  batch archive {f['batcharchive_seconds']} s\n"

@@ -546,3 +546,10 @@ def spelled(db, name, **slots):
     engine = "postgresql" if str(db).startswith("postgresql://") else "sqlite"
     # internal: the engines' own SQL spellings
     return campaignapi._SQL[engine][name].format(**slots)
+
+
+def open_url_in(html_text):
+    """The open URL of a tracked email's html: an <img>, or in a short email a
+    CSS background (no image for spam filters to count)."""
+    return re.search(r'(?:<img src="|background-image:url\()([^")]+/v1/open/[^")]+)',
+                     html_text).group(1)

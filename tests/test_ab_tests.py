@@ -5,14 +5,14 @@ archive page, verify's checks.  Over a real database and a real SMTP sink;
 the opens are real requests to the open route."""
 
 import collections
-import re
 import urllib.parse
 
 import pytest
 
 import campaignapi
 from conftest import Api
-from helpers import bulk_recipients, database, import_csv, make_datasource, scalar, snapshot
+from helpers import (bulk_recipients, database, import_csv, make_datasource, open_url_in, scalar,
+                     snapshot)
 
 HTML = "<p>Hi</p><p><a href='https://shop.example/a'>Shop</a> <a href='{{unsubscribe_url}}'>u</a></p>"
 TEXT = "Hi\nUnsubscribe: {{unsubscribe_url}}"
@@ -65,7 +65,7 @@ def batch_record(api, ids, batch):
 
 def open_path(raw_email):
     text = raw_email.decode("utf-8", "replace").replace("=\r\n", "").replace("=3D", "=")
-    return urllib.parse.urlsplit(re.search(r'src="([^"]+/v1/open/[^"]+)"', text)[1]).path
+    return urllib.parse.urlsplit(open_url_in(text)).path
 
 
 # --- the settings and the variants ---------------------------------------------------------

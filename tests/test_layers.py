@@ -216,3 +216,15 @@ def test_the_reach_of_the_tests_is_found():
 def test_no_new_unexplained_reach_of_a_test_into_the_module():
     found = unexplained_reaches()
     assert len(found) <= UNEXPLAINED_REACHES[0], "\n".join(found)
+
+
+def test_no_top_level_name_is_defined_twice():
+    # A second def of a name silently replaces the first for every caller
+    # above it too (two branches each wrote a _rate_text of their own).
+    seen, twice = {}, []
+    for node in TREE.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append((node.name, seen[node.name], node.lineno))
+            seen[node.name] = node.lineno
+    assert not twice, twice

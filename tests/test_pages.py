@@ -17,7 +17,7 @@ import webtest
 
 import campaignapi
 from conftest import Api, serving
-from helpers import confirm_path, import_csv, make_datasource, make_signup_list, scalar
+from helpers import confirm_path, import_csv, make_datasource, make_signup_list, open_url_in, scalar
 
 SECRET = "a secret of the pages"
 PUBLIC = "https://lists.example.com"
@@ -561,7 +561,7 @@ def test_every_page_reads_at_desktop_and_phone_widths(world, site, page):
     # A report link's statistics page, with opens and clicks in its chart.
     ann = world["spring_mail"]["ann@example.org"].get_body(("html",)).get_content()
     world["client"].get(local(re.search(r'href="(https://[^"]+/v1/click/[^"]+)"', ann)[1]))
-    world["client"].get(local(re.search(r'src="(https://[^"]+/v1/open/[^"]+)"', ann)[1]))
+    world["client"].get(local(open_url_in(ann)))
     report = world["api"].get(f"/campaign/{spring}/archive/{spring}")["archive"]["reporturl"]
     page.goto(site + local(report))
     assert page.locator("svg g.bucket").count() >= 1

@@ -12,7 +12,7 @@ import urllib.parse
 import pytest
 
 import campaignapi
-from helpers import account_id, database, import_csv, make_datasource, scalar
+from helpers import account_id, database, import_csv, make_datasource, open_url_in, scalar
 
 HTML = ("<html><head><style>p{color:red}</style></head><body><p>Hi {{first}}</p>"
         "<p><a href='https://shop.example/sale?who={{first}}'>Sale</a> "
@@ -114,7 +114,7 @@ def test_a_tracked_prepared_email_is_delivered_campaign_grade(db, world, app, cl
     assert in_body == unsubscribe and unsubscribe in message.get_body(("plain",)).get_content()
     assert path_of(sale).startswith("/api/v1/click/") and path_of(blog).startswith("/api/v1/click/")
     assert "Ann" not in sale and "ann" not in unsubscribe
-    opened = re.search(r'<img src="([^"]+/v1/open/[^"]+)"', body).group(1)
+    opened = open_url_in(body)
     route = lambda url: path_of(url)[len("/api"):]                      # noqa: E731
 
     # The click goes to the URL stored for the prepared message, with her values.

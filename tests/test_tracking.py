@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import campaignapi
-from helpers import account_id, b64, database, http, import_csv, later, make_datasource, scalar
+from helpers import (account_id, b64, database, http, import_csv, later, make_datasource,
+                     open_url_in, scalar)
 
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 
@@ -61,10 +62,6 @@ def hrefs(html_text):
 
 def links_in(html_text):
     return [a or b for a, b in hrefs(html_text)]
-
-
-def open_url_in(html_text):
-    return re.search(r'<img src="([^"]+/v1/open/[^"]+)"', html_text).group(1)
 
 
 def path_of(url):

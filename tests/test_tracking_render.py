@@ -4,6 +4,7 @@ tracking rewrite, the open GIF, CSS inlining and template wrapping."""
 import hmac
 import html.parser
 import logging
+import re
 import string
 import struct
 
@@ -26,8 +27,9 @@ wrap_in_template = campaignapi._wrap_in_template  # internal: the template wrapp
 SECRET = "k3y-of-the-test"
 B64URL = string.ascii_letters + string.digits + "-_"
 PIXEL_SRC = "{{open_url}}"
-# internal: the open pixel's tag as track_html() writes it: these tests check where it goes
-PIXEL = campaignapi._PIXEL
+# The open signal as track_html() writes it in a short html (these tests' sources): a CSS
+# background (see test_a_long_html_carries_the_open_signal_as_an_image).
+PIXEL = campaignapi._PIXEL_BACKGROUND  # internal: these tests check where the open signal goes
 
 
 # Tokens ------------------------------------------------------------------------
@@ -172,6 +174,17 @@ def without_pixel(text):
     return text.replace(pixel, "", 1)
 
 
+def test_a_long_html_carries_the_open_signal_as_an_image():
+    # internal: SpamAssassin's HTML_IMAGE_ONLY_* rules score an <img> in an html part under
+    # _IMAGE_ONLY_LENGTH bytes; past it the open signal is the usual 1x1 image.
+    long_source = "<body>" + "<p>Some news of the week.</p>\n" * 120 + "</body>"
+    out, _ = track_html(long_source)
+    image = campaignapi._PIXEL  # internal: the open image's tag
+    assert out == long_source.replace("</body>", image + "</body>")
+    out, _ = track_html("<body><p>Short.</p></body>")
+    assert out == "<body><p>Short.</p>" + PIXEL + "</body>" and "<img" not in out
+
+
 def test_links_become_numbered_tags_and_the_rest_stays_byte_for_byte():
     source = ('<html><head><title>Hi</title></head><body>\n'
               '<p>Read <a href="https://example.com/a">this</a> and\n'
@@ -273,7 +286,8 @@ def test_per_recipient_only_tokens_are_filled():
     click = tags[2][1][0][1]
     assert click.startswith("https://api.example/v1/click/")
     assert read_token(SECRET, "click", click.rsplit("/", 1)[1]) == (77, 0)
-    opened = [attrs for tag, attrs in tags if tag == "img"][0][0][1]
+    style = [attrs for tag, attrs in tags if tag == "div"][0][0][1]
+    opened = re.search(r"url\(([^)]+)\)", style).group(1)
     assert read_token(SECRET, "open", opened.rsplit("/", 1)[1]) == (77,)
     assert ("href", "https://u/1") in tags[3][1]
     assert "Hi &lt;Ann&gt;" in filled and "ann@example.com" not in filled

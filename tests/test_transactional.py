@@ -13,7 +13,7 @@ import pytest
 
 import campaignapi
 from helpers import (account_id, assert_error, database, import_csv, make_campaign,
-                     make_datasource, scalar, send, wait_for)
+                     make_datasource, open_url_in, scalar, send, wait_for)
 
 PUBLIC = "http://mail.example/api"
 HTML = ("<html><head><style>p{color:#333}</style></head><body><p>Hi {{name}},</p>"
@@ -198,7 +198,7 @@ def test_tracking_counts_opens_and_clicks_and_a_hard_bounce_shows(api, reset, db
     html = smtp_sink.parsed()["ann@example.org"].get_body(("html",)).get_content()
     links = re.findall(r"href=['\"]([^'\"]+)['\"]", html)
     clicks = [link for link in links if "/v1/click/" in link]
-    opens = re.findall(r"src=['\"]([^'\"]+/v1/open/[^'\"]+)['\"]", html)
+    opens = [open_url_in(html)]
     assert clicks and opens and all(link.startswith(PUBLIC) for link in clicks + opens), html
     record = api.get(f"/transactional/{sent['id']}")["transactional"]
     assert record["opened"] is None and record["clicked"] is None
