@@ -534,3 +534,28 @@ def spelled(db, name, **slots):
     engine = "postgresql" if str(db).startswith("postgresql://") else "sqlite"
     # internal: the engines' own SQL spellings
     return campaignapi._SQL[engine][name].format(**slots)
+
+
+# --- pages in the browser ----------------------------------------------------------------------
+
+def browse(page, url, headers=None, width=1000):
+    """Open ``url`` in the browser tab ``page`` (with ``headers``, at a
+    desktop ``width``); the response, checked to be an HTML page."""
+    if headers:
+        page.set_extra_http_headers(headers)
+    page.set_viewport_size({"width": width, "height": 800})
+    response = page.goto(url)
+    assert response.status == 200 and "text/html" in response.headers["content-type"]
+    return response
+
+
+def screenshot(page, name):
+    """Keep a full-page screenshot in tests/artifacts (not committed); its path."""
+    import pathlib
+
+    artifacts = pathlib.Path(__file__).parent / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / ".gitignore").write_text("*\n")
+    shot = artifacts / name
+    page.screenshot(path=str(shot), full_page=True)
+    return shot
