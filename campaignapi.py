@@ -4028,7 +4028,7 @@ def _subscribe(kind, handler):
     return handler
 
 
-def emit(conn, account, kind, data, pending=None):
+def emit(conn, account, kind, data, pending=None, *, webhooks=None):
     """Raise event ``kind`` of ``account`` inside the current transaction.
 
     The payload ``{"type", "timestamp", "data"}`` is stored once, with one
@@ -4039,12 +4039,15 @@ def emit(conn, account, kind, data, pending=None):
     _subscribe()) are called, in the same transaction.
 
     :param data: the record, or the ids, the event is about (JSON values).
+    :param webhooks: the ids of the webhooks that want it (_webhooks_wanting()),
+        when the caller raises many at once; default: looked up.
     :returns: the payload.
     """
     if kind not in EVENT_KINDS:
         raise ValueError(f"unknown event kind {kind!r}")
     payload = {"type": kind, "timestamp": _iso_now(), "data": data}
-    webhooks = _webhooks_wanting(conn, account, kind)
+    if webhooks is None:
+        webhooks = _webhooks_wanting(conn, account, kind)
     if webhooks:
         now = _now()
         event_id = conn.execute(
@@ -4065,14 +4068,6 @@ def _webhooks_wanting(conn, account, kind):
     return [row["id"] for row in conn.execute(
         "SELECT id, events FROM webhook WHERE owner = ? AND enabled = 1 AND deleted = 0",
         (account,)) if kind in json.loads(row["events"]) or row["events"] == "[]"]
-
-
-def _heard(conn, account, kind, pending):
-    """Whether emit() of ``kind`` reaches anyone (a webhook, the on_event
-    list ``pending``, a subscriber): a caller that raises one per row of a
-    set (an automation's runs) builds the payloads only then."""
-    return pending is not None or bool(_SUBSCRIBERS[kind]) or bool(
-        _webhooks_wanting(conn, account, kind))
 
 
 # Suppressing an address: the one way an address stops getting the account's
@@ -7337,7 +7332,7 @@ _RUN_STATUSES = ("waiting", "finished", "stopped", "cancelled")
 #: when the automation is enabled.
 _DATE_CHECK_EVERY = 3600
 #: Runs one transaction of advance_runs() moves on by a step.
-_RUN_CHUNK = 5000
+_RUN_CHUNK = 10_000
 
 
 def _step_kind(step):
@@ -7497,14 +7492,15 @@ def _automation_written(call, automation_id):
         call.conn.execute("UPDATE automation_run SET paused = ? WHERE automation = ? "
                           "AND status = 'waiting'", (1 - row["enabled"], automation_id))
     if row["steps"] != was["steps"]:
-        _end_runs(call.conn, row, "finished", "the steps end here", now, call.events,
+        _end_runs(call.conn, row, "finished", "the steps end here", now, _listened(call),
                   f"step >= {len(json.loads(row['steps']))}")
     if row["enabled"] and not was["enabled"] and row["trigger"].startswith('{"type":"date"'):
-        _date_entries(call.conn, row, now, call.events)
+        _date_entries(call.conn, row, now, _listened(call))
 
 
 def _automation_deleted(call, row):
-    _end_runs(call.conn, row, "cancelled", "the automation was deleted", _now(), call.events)
+    _end_runs(call.conn, row, "cancelled", "the automation was deleted", _now(),
+              _listened(call))
 
 
 def _automation_record(call, row):
@@ -7597,11 +7593,21 @@ def _history_entry(step, now, outcome):
 
 
 def _run_events(conn, account, kind, run_ids, pending):
-    """``automation.<kind>`` for each run (payload: the run), when heard."""
-    if run_ids and _heard(conn, account, f"automation.{kind}", pending):
+    """``automation.<kind>`` for each run (payload: the run), built only
+    when someone hears it: a webhook, the on_event list ``pending``, a
+    subscriber (a set of runs is raised at once, maybe a million)."""
+    kind = f"automation.{kind}"
+    webhooks = _webhooks_wanting(conn, account, kind) if run_ids else []
+    if webhooks or (run_ids and (pending is not None or _SUBSCRIBERS[kind])):
         for row in conn.execute(f"SELECT * FROM automation_run WHERE id IN ({_ids_sql(conn)}) "
                                 "ORDER BY id", (_to_json(sorted(run_ids)),)).fetchall():
-            emit(conn, account, f"automation.{kind}", _run_record(None, row), pending)
+            emit(conn, account, kind, _run_record(None, row), pending, webhooks=webhooks)
+
+
+def _listened(call):
+    """The request's on_event list when the app has a callback, else None:
+    for the events of a set of runs, built only when someone hears them."""
+    return call.events if call.service.config["on_event"] else None
 
 
 def _end_runs(conn, automation, status, outcome, now, pending, where="1 = 1", params=()):
@@ -7625,15 +7631,21 @@ def _start_runs(conn, automation, origin, where, params, now, pending):
     """Start a run of ``automation`` (a row) for each active recipient of its
     datasource that ``where`` (SQL on ``recipient r``) selects, unless it has
     a waiting run of it, or one of the same ``origin``; one statement.
-    Raises automation.started for each.  Returns the new runs' ids."""
-    started = [row[0] for row in conn.execute(
+    Raises automation.started for each (the ids are read back only for
+    that).  Returns how many started."""
+    kind, account = "automation.started", automation["owner"]
+    heard = pending is not None or _SUBSCRIBERS[kind] or _webhooks_wanting(conn, account, kind)
+    cursor = conn.execute(
         "INSERT INTO automation_run (automation, recipient, step, status, due, paused, origin, "
         "started, history) SELECT ?, r.id, 0, 'waiting', ?, 0, ?, ?, '[]' FROM recipient r "
         f"WHERE r.datasource = ? AND r.status = 'active' AND ({where}) "
-        "ON CONFLICT DO NOTHING RETURNING id",
-        (automation["id"], now, origin, now, automation["datasource"], *params))]
-    _run_events(conn, automation["owner"], "started", started, pending)
-    return started
+        f"ON CONFLICT DO NOTHING{' RETURNING id' if heard else ''}",
+        (automation["id"], now, origin, now, automation["datasource"], *params))
+    if not heard:
+        return cursor.rowcount
+    started = [row[0] for row in cursor.fetchall()]
+    _run_events(conn, account, "started", started, pending)
+    return len(started)
 
 
 def _run_start(call, child_id):
@@ -7647,12 +7659,13 @@ def _run_start(call, child_id):
     if recipient["status"] != "active":
         raise Conflict(f"Recipient {recipient['id']} is {recipient['status']}: only active "
                        "recipients walk an automation.", field="recipient")
-    started = _start_runs(call.conn, automation, None, "r.id = ?", (recipient["id"],), _now(),
-                          call.events)
-    if not started:
+    if not _start_runs(call.conn, automation, None, "r.id = ?", (recipient["id"],), _now(),
+                       call.events):
         raise Conflict(f"Recipient {recipient['id']} already has a waiting run of automation "
                        f"{automation['id']}.", field="recipient")
-    return {"id": str(started[0])}
+    return {"id": str(call.conn.execute(
+        "SELECT id FROM automation_run WHERE automation = ? AND recipient = ? "
+        "AND status = 'waiting'", (automation["id"], recipient["id"])).fetchone()[0])}
 
 
 def _run_cancel(call, child_id):
@@ -7700,7 +7713,7 @@ def _date_entries(conn, automation, now, pending):
     field = _datasource_fields(conn, automation["datasource"]).get(trigger["field"].lower())
     conn.execute("UPDATE automation SET checked = ? WHERE id = ?", (now, automation["id"]))
     if field is None or field[2] != "date":
-        return []
+        return 0
     value = conn.sql["json_value"].format(json="r.data", key=int(field[0]))
     today = datetime.date.fromisoformat(now[:10])
     target = today - datetime.timedelta(days=trigger["days"])
@@ -7735,7 +7748,7 @@ def check_dates(db, now=None, on_event=None):
                                    f"AND deleted = 0 {conn.sql['for_update']}",
                                    (automation["id"],)).fetchone()
                 if row is not None:
-                    started += len(_date_entries(conn, row, now, pending))
+                    started += _date_entries(conn, row, now, pending)
             if pending:
                 _run_callbacks(on_event, pending)
         return started
@@ -7767,13 +7780,24 @@ def _run_condition_sql(conn, automation, condition):
             f"AND {where})", params)
 
 
-def _advance(conn, run_ids, step, now, outcome, due=None):
-    """Move runs past ``step``: the next step due at ``due`` (default now)."""
-    conn.execute(
-        "UPDATE automation_run SET step = ?, due = ?, "
-        f"history = {conn.sql['json_append'].format(json='history', value='?')} "
-        f"WHERE id IN ({_ids_sql(conn)})",
-        (step + 1, due or now, _history_entry(step, now, outcome), _to_json(run_ids)))
+def _advance(conn, run_ids, steps, index, now, outcome=None):
+    """Move runs past step ``index`` (its ``outcome`` in their history), and
+    past the wait steps that follow it (or that it is): a wait counts from
+    now, when the step before it ran, so it needs no round of its own."""
+    entries, due, following = [], now, index
+    if _step_kind(steps[index]) != "wait":
+        entries.append(_history_entry(index, now, outcome))
+        following += 1
+    while following < len(steps) and _step_kind(steps[following]) == "wait":
+        due = _shift(due, steps[following]["wait"])
+        entries.append(_history_entry(following, now, "waited"))
+        following += 1
+    history = "history"
+    for _ in entries:
+        history = conn.sql["json_append"].format(json=history, value="?")
+    conn.execute(f"UPDATE automation_run SET step = ?, due = ?, history = {history} "
+                 f"WHERE id IN ({_ids_sql(conn)})",
+                 (following, due, *entries, _to_json(run_ids)))
 
 
 def _send_step(conn, automation, index, message_id, run_ids, now, templates_dir):
@@ -7804,18 +7828,17 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
     ``index``), in the caller's transaction."""
     ids = _to_json(run_ids)
     # A recipient who left (or was erased) is never mailed: the run stops.
-    _end_runs(conn, automation, "stopped", "the recipient is no longer active", now, pending,
-              f"id IN ({_ids_sql(conn)}) AND NOT EXISTS (SELECT 1 FROM recipient r "
-              "WHERE r.id = automation_run.recipient AND r.status = 'active' "
-              "AND r.datasource = ?)", (ids, automation["datasource"]))
+    left = set(_end_runs(conn, automation, "stopped", "the recipient is no longer active", now,
+                         pending, f"id IN ({_ids_sql(conn)}) AND NOT EXISTS (SELECT 1 FROM "
+                         "recipient r WHERE r.id = automation_run.recipient "
+                         "AND r.status = 'active' AND r.datasource = ?)",
+                         (ids, automation["datasource"])))
     steps = json.loads(automation["steps"])
     if index >= len(steps):
         _end_runs(conn, automation, "finished", "the steps end here", now, pending,
                   f"id IN ({_ids_sql(conn)})", (ids,))
         return
-    live = [row[0] for row in conn.execute(
-        f"SELECT id FROM automation_run WHERE id IN ({_ids_sql(conn)}) AND status = 'waiting'",
-        (ids,))]
+    live = [run for run in run_ids if run not in left]
     if not live:
         return
     step = steps[index]
@@ -7826,9 +7849,9 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
             _end_runs(conn, automation, "stopped", problem, now, pending,
                       f"id IN ({_ids_sql(conn)})", (_to_json(live),))
             return
-        _advance(conn, live, index, now, "sent")
-    elif kind == "wait":
-        _advance(conn, live, index, now, "waited", _shift(now, step["wait"]))
+        _advance(conn, live, steps, index, now, "sent")
+    elif kind == "wait":   # the first step, or the steps were changed: a wait of its own
+        _advance(conn, live, steps, index, now)
     elif kind == "continue_if":
         sql, params = _run_condition_sql(conn, automation, step["continue_if"])
         _end_runs(conn, automation, "stopped", "the condition does not hold", now, pending,
@@ -7837,7 +7860,7 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
             f"SELECT id FROM automation_run WHERE id IN ({_ids_sql(conn)}) "
             "AND status = 'waiting'", (_to_json(live),))]
         if kept:
-            _advance(conn, kept, index, now, "the condition holds")
+            _advance(conn, kept, steps, index, now, "the condition holds")
     else:   # update
         fields = _datasource_fields(conn, automation["datasource"])
         patch = {str(fields[name.lower()][0]): value for name, value in step["update"].items()
@@ -7846,7 +7869,7 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
             f"UPDATE recipient SET data = {conn.sql['json_merge'].format(json='data', patch='?')},"
             " updated = ? WHERE id IN (SELECT recipient FROM automation_run "
             f"WHERE id IN ({_ids_sql(conn)}))", (_to_json(patch), now, _to_json(live)))
-        _advance(conn, live, index, now, "updated")
+        _advance(conn, live, steps, index, now, "updated")
 
 
 def advance_runs(db, now=None, on_event=None, *, templates_dir="", chunk=_RUN_CHUNK,

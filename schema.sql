@@ -529,7 +529,6 @@ CREATE TABLE IF NOT EXISTS automation_run (
 CREATE INDEX IF NOT EXISTS automation_run_due ON automation_run(due)
     WHERE status = 'waiting' AND paused = 0;
 CREATE INDEX IF NOT EXISTS automation_run_automation ON automation_run(automation, status);
-CREATE INDEX IF NOT EXISTS automation_run_recipient ON automation_run(recipient);
 -- At most one waiting run per recipient and automation; one run per origin.
 CREATE UNIQUE INDEX IF NOT EXISTS automation_run_waiting ON automation_run(automation, recipient)
     WHERE status = 'waiting';
