@@ -303,6 +303,22 @@ def fill_recipients(db, datasource, n, prefix="user", status="active", data="{}"
     return ids
 
 
+def plain_inserts(conn, copies, inserts):
+    """Seconds one transaction takes to run ``inserts`` (SQL; ``{now}`` the
+    engine's time) into empty copies ``TABLE_copy`` of the tables of
+    ``copies`` (``{table: [CREATE INDEX on the copy]}``): a baseline."""
+    for table, indexes in copies.items():
+        conn.execute(f"CREATE TABLE {table}_copy AS SELECT * FROM {table} WHERE (1 = 0)")
+        for index in indexes:
+            conn.execute(index)
+    now = conn.sql["now"]
+    started = time.perf_counter()
+    with campaignapi.transaction(conn):
+        for sql in inserts:
+            conn.execute(sql.format(now=now))
+    return time.perf_counter() - started
+
+
 #: A newsletter's html: three links to track, the unsubscribe link not.
 LINKS_HTML = ("<html><body><p>Hello {{email}}</p><p><a href='https://shop.example/sale'>Sale</a> "
               "<a href='https://shop.example/new?who={{email}}'>New</a> "
@@ -438,15 +454,11 @@ def bench_queue(args, tmp):
     conn = campaignapi.connect(db)
     queued = conn.execute("SELECT count(*) FROM outbox WHERE kind = 'campaign'").fetchone()[0]
     # Baseline: one INSERT ... SELECT of the same rows into an outbox-shaped table.
-    conn.execute("CREATE TABLE outbox_copy AS SELECT * FROM outbox WHERE (1 = 0)")
-    conn.execute("CREATE UNIQUE INDEX outbox_copy_once ON outbox_copy(batch, to_addr)")
-    now = conn.sql["now"]
-    started = time.perf_counter()
-    with campaignapi.transaction(conn):
-        conn.execute("INSERT INTO outbox_copy (account, kind, batch, message, recipient, "
-                     "to_addr, status, created, next_try) SELECT 1, 'campaign', 1, 1, id, email, "
-                     f"'queued', {now}, {now} FROM recipient")
-    baseline = time.perf_counter() - started
+    baseline = plain_inserts(conn, {"outbox": [
+        "CREATE UNIQUE INDEX outbox_copy_once ON outbox_copy(batch, to_addr)"]}, [
+        "INSERT INTO outbox_copy (account, kind, batch, message, recipient, to_addr, status, "
+        "created, next_try) SELECT 1, 'campaign', 1, 1, id, email, 'queued', {now}, {now} "
+        "FROM recipient"])
     conn.close()
     return {"recipients": args.rows, "queued": queued, "seconds": round(elapsed, 2),
             "baseline_seconds": round(baseline, 2), "ratio": round(baseline / elapsed, 2),
@@ -657,18 +669,11 @@ def bench_automations(args, tmp):
         raise RuntimeError(f"{queued} emails queued, {waiting} runs waiting of {args.rows}")
     idle_ms = ticks()
     # Baseline: the rows the trigger and its first step must write, written plainly.
-    conn.execute("CREATE TABLE run_copy AS SELECT * FROM automation_run WHERE (1 = 0)")
-    conn.execute("CREATE TABLE outbox_copy AS SELECT * FROM outbox WHERE (1 = 0)")
-    now = conn.sql["now"]
-    started = time.perf_counter()
-    with campaignapi.transaction(conn):
-        conn.execute("INSERT INTO run_copy (automation, recipient, step, status, due, paused, "
-                     f"started, history) SELECT 1, id, 2, 'waiting', {now}, 0, {now}, '[]' "
-                     "FROM recipient")
-        conn.execute("INSERT INTO outbox_copy (account, kind, prepared, recipient, to_addr, "
-                     f"status, created, next_try) SELECT 1, 'automation', 1, id, email, "
-                     f"'queued', {now}, {now} FROM recipient")
-    baseline = time.perf_counter() - started
+    baseline = plain_inserts(conn, {"automation_run": [], "outbox": []}, [
+        "INSERT INTO automation_run_copy (automation, recipient, step, status, due, paused, "
+        "started, history) SELECT 1, id, 2, 'waiting', {now}, 0, {now}, '[]' FROM recipient",
+        "INSERT INTO outbox_copy (account, kind, prepared, recipient, to_addr, status, created, "
+        "next_try) SELECT 1, 'automation', 1, id, email, 'queued', {now}, {now} FROM recipient"])
     conn.close()
     # The outbox draining campaign emails, as the deliver benchmark sends them.
     emails = min(args.rows, args.emails)
