@@ -7818,7 +7818,8 @@ def _send_step(conn, automation, index, message_id, run_ids, now, templates_dir)
                          base_url=automation["base_url"],
                          list_id=_list_id("automation", automation["id"], account))
     enqueue(conn, account, "automation", prepared=prepared, now=now, recipients=(
-        f"r.id IN (SELECT recipient FROM automation_run WHERE id IN ({_ids_sql(conn)}))",
+        f"r.status = 'active' AND r.id IN (SELECT recipient FROM automation_run "
+        f"WHERE id IN ({_ids_sql(conn)}))",
         (_to_json(run_ids),)))
     return None
 
@@ -7827,6 +7828,11 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
     """One step of the automation for the given waiting runs (all at step
     ``index``), in the caller's transaction."""
     ids = _to_json(run_ids)
+    if conn.execute("SELECT deleted FROM datasource WHERE id = ?",
+                    (automation["datasource"],)).fetchone()[0]:   # its recipients get no mail
+        _end_runs(conn, automation, "stopped", "the datasource is deleted", now, pending,
+                  f"id IN ({_ids_sql(conn)})", (ids,))
+        return
     # A recipient who left (or was erased) is never mailed: the run stops.
     # (A scalar subquery: the recipient is found by its id whatever the
     # planner believes of the tables' sizes; a NOT EXISTS became a join

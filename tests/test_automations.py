@@ -246,7 +246,7 @@ def test_a_subscribed_trigger_starts_one_run_per_recipient_ever(api, db, world):
 
 # --- the guarantees -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("leave", ["unsubscribe", "bounce", "erase", "complain"])
+@pytest.mark.parametrize("leave", ["unsubscribe", "bounce", "erase", "complain", "list"])
 def test_a_run_never_mails_a_recipient_who_left(api, db, world, leave):
     automation = welcome(api, world, enabled="1")
     ann = add(api, world, "ann@example.com")
@@ -257,6 +257,8 @@ def test_a_run_never_mails_a_recipient_who_left(api, db, world, leave):
         set_status(api, world, ann, "unsubscribed")
     elif leave == "erase":
         api.delete(f"/datasource/{ds}/recipient/{ann}")
+    elif leave == "list":   # the whole datasource is deleted
+        api.delete(f"/datasource/{ds}", id=ds)
     else:
         api.post("/bounce", email="ann@example.com",
                  type="hard" if leave == "bounce" else "complaint")
@@ -264,7 +266,8 @@ def test_a_run_never_mails_a_recipient_who_left(api, db, world, leave):
     assert len(queued(db)) == 1                                    # no second email
     [run] = runs(api, automation)
     assert run["status"] == "stopped" and run["step"] == "2"
-    assert run["history"][-1]["outcome"] == "the recipient is no longer active"
+    assert run["history"][-1]["outcome"] == ("the datasource is deleted" if leave == "list" else
+                                             "the recipient is no longer active")
 
 
 def test_pausing_holds_runs_and_enabling_resumes_them(api, db, world):
