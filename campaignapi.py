@@ -7364,7 +7364,10 @@ def _checked_condition(call, datasource, condition, index, where, depth=0):
     word = next(iter(condition)) if len(condition) == 1 else None
     if word in ("opened", "clicked"):
         step = _as_int(condition[word]) if not isinstance(condition[word], bool) else None
-        if step is None or step >= index or _step_kind(call.memo["steps"][step]) != "send":
+        if step is None:
+            raise InvalidParameter(f"{where}.{word} must be the index of a send step.",
+                                   field="steps")
+        if step >= index or _step_kind(call.memo["steps"][step]) != "send":
             raise Conflict(f"{where}: '{word}' names step {condition[word]}, which is not a send "
                            f"step before step {index}.", field="steps")
         return {word: step}
@@ -7439,8 +7442,10 @@ def _checked_trigger(call, datasource, trigger):
     if kind != "date":
         return _to_json({"type": kind})
     name = trigger.get("field")
-    field = _datasource_fields(call.conn, datasource).get(str(name).lower()) \
-        if isinstance(name, str) else None
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidParameter("'trigger.field' must name a field of type date.",
+                               field="trigger")
+    field = _datasource_fields(call.conn, datasource).get(name.lower())
     if field is None or field[2] != "date":
         raise Conflict(f"The date trigger's field '{name}' is not a field of type date of "
                        f"datasource {datasource}.", field="trigger")
