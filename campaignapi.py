@@ -7885,6 +7885,12 @@ def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
         _advance(conn, live, steps, index, now, "updated")
 
 
+#: The runs due at a time (a parameter), the first so many (another): read
+#: from the index automation_run_due alone, so runs not due cost nothing.
+_DUE_RUNS = ("SELECT id, automation, step FROM automation_run WHERE status = 'waiting' "
+             "AND paused = 0 AND due <= ? ORDER BY due LIMIT ?")
+
+
 def advance_runs(db, now=None, on_event=None, *, templates_dir="", chunk=_RUN_CHUNK,
                  rounds=100):
     """Move every due run of an enabled automation on by its steps: the
@@ -7899,9 +7905,7 @@ def advance_runs(db, now=None, on_event=None, *, templates_dir="", chunk=_RUN_CH
     :param rounds: at most this many rounds a call (the worker calls again).
     :returns: how many run steps were taken.
     """
-    pending = [] if on_event else None
-    due = ("SELECT id, automation, step FROM automation_run WHERE status = 'waiting' "
-           "AND paused = 0 AND due <= ? ORDER BY due LIMIT ?")
+    pending, due = ([] if on_event else None), _DUE_RUNS
     with _opened(db) as conn:
         now = now or _now()
         done = 0
