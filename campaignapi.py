@@ -42,11 +42,14 @@ __all__ = [
     # The record kinds' declarations: their operations are the handlers of ROUTES.
     "ACCOUNTPROFILE", "BATCH", "CAMPAIGN", "DATASOURCE", "EXPORT", "FIELD", "IMPORT", "LINK",
     "MESSAGE", "ORGANIZE", "RECIPIENT", "SEGMENT", "TEMPLATE", "WEBHOOK", "TRANSACTIONAL",
+    # Automations (section 17).
+    "AUTOMATION", "RUN", "advance_runs", "check_dates", "verify_automation",
 ]
 
 import argparse
 import base64
 import binascii
+import calendar
 import codecs
 import collections
 import concurrent.futures
@@ -312,6 +315,8 @@ _SQL = {
         "json_set": "json_set({json}, '$.\"{key}\"', json({value}))",
         # RFC 7396 merge: a null in the patch removes the key.
         "json_merge": "json_patch({json}, {patch})",
+        # A JSON array (text) with one more element, given as JSON text.
+        "json_append": "json_insert({json}, '$[#]', json({value}))",
         # The elements of a JSON array (given as text) as a one-column SELECT:
         # ids, or addresses for ``email IN (...)`` (compared NOCASE).
         "json_ids": "SELECT value FROM json_each({array})",
@@ -344,6 +349,8 @@ _SQL = {
         # merge is RFC 7396's removal.
         "json_merge": "CAST(jsonb_strip_nulls(CAST({json} AS jsonb) || CAST({patch} AS jsonb))"
                       " AS text)",
+        "json_append": "CAST(CAST({json} AS jsonb) || jsonb_build_array(CAST({value} AS jsonb))"
+                       " AS text)",
         "json_ids": "SELECT CAST(value AS BIGINT) FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
         "json_addresses": "SELECT CAST(value AS citext) "
                           "FROM jsonb_array_elements_text(CAST({array} AS jsonb))",
@@ -403,6 +410,20 @@ _PG_INSTALL = "pip install 'campaignapi[postgres]'"
 def _connection_class(db):
     """The connection class of ``db`` (see connect()), without connecting."""
     return _PgConnection if str(db).startswith(_PG_URL) else _SqliteConnection
+
+
+@contextlib.contextmanager
+def _opened(db):
+    """``db`` as a connection: a path or URL opened here (and closed after),
+    or an open connection as it is."""
+    if not isinstance(db, str):
+        yield db
+        return
+    conn = connect(db)
+    try:
+        yield conn
+    finally:
+        conn.close()
 
 
 def connect(db):
@@ -4356,7 +4377,8 @@ def _default_mail_from():
 #: Every kind of event, in the order a recipient's or a campaign's life runs.
 EVENT_KINDS = ("recipient.subscribed", "recipient.confirmed", "recipient.unsubscribed",
                "recipient.bounced", "recipient.complained", "import.finished",
-               "export.finished", "batch.started", "batch.sent")
+               "export.finished", "batch.started", "batch.sent",
+               "automation.started", "automation.finished")
 
 
 def _iso_now():
@@ -4390,7 +4412,7 @@ def _subscribe(kind, handler):
     return handler
 
 
-def emit(conn, account, kind, data, pending=None):
+def emit(conn, account, kind, data, pending=None, *, webhooks=None):
     """Raise event ``kind`` of ``account`` inside the current transaction.
 
     The payload ``{"type", "timestamp", "data"}`` is stored once, with one
@@ -4401,14 +4423,15 @@ def emit(conn, account, kind, data, pending=None):
     _subscribe()) are called, in the same transaction.
 
     :param data: the record, or the ids, the event is about (JSON values).
+    :param webhooks: the ids of the webhooks that want it (_webhooks_wanting()),
+        when the caller raises many at once; default: looked up.
     :returns: the payload.
     """
     if kind not in EVENT_KINDS:
         raise ValueError(f"unknown event kind {kind!r}")
     payload = {"type": kind, "timestamp": _iso_now(), "data": data}
-    webhooks = [row["id"] for row in conn.execute(
-        "SELECT id, events FROM webhook WHERE owner = ? AND enabled = 1 AND deleted = 0",
-        (account,)) if kind in json.loads(row["events"]) or row["events"] == "[]"]
+    if webhooks is None:
+        webhooks = _webhooks_wanting(conn, account, kind)
     if webhooks:
         now = _now()
         event_id = conn.execute(
@@ -4422,6 +4445,13 @@ def emit(conn, account, kind, data, pending=None):
     for handler in _SUBSCRIBERS[kind]:
         handler(conn, account, payload, pending)
     return payload
+
+
+def _webhooks_wanting(conn, account, kind):
+    """The ids of the account's enabled webhooks that get events ``kind``."""
+    return [row["id"] for row in conn.execute(
+        "SELECT id, events FROM webhook WHERE owner = ? AND enabled = 1 AND deleted = 0",
+        (account,)) if kind in json.loads(row["events"]) or row["events"] == "[]"]
 
 
 # Suppressing an address: the one way an address stops getting the account's
@@ -5190,24 +5220,31 @@ def _blocked_status(conn, secret, account, address):
     return None
 
 
-def _typed_fields(call, given):
+def _typed_fields(call, given, fields=None, datasource=None, param="fields"):
     """A ``fields`` object ``{name: value}`` as ``{field id: stored value}``,
-    by the datasource's field names and types; 'email' is a column, not here."""
-    fields, data = _request_fields(call), {}
+    by the datasource's field names and types; 'email' is a column, not here.
+
+    :param fields, datasource: the datasource's fields (_datasource_fields())
+        and id; default the request's (``call.parent``).
+    :param param: the parameter that holds them, for the error.
+    """
+    if fields is None:
+        fields, datasource = _request_fields(call), call.parent["id"]
+    data = {}
     for name, value in given.items():
         field = fields.get(str(name).lower())
         if field is None or field[1].lower() == "email":
-            raise InvalidParameter(f"'fields' names '{str(name)[:100]}', which is not a field of "
-                                   f"datasource {call.parent['id']} (the address is 'email').",
-                                   field="fields", allowed=sorted(
+            raise InvalidParameter(f"'{param}' names '{str(name)[:100]}', which is not a field of "
+                                   f"datasource {datasource} (the address is 'email').",
+                                   field=param, allowed=sorted(
                                        f[1] for f in fields.values() if f[1].lower() != "email"))
         if value is not None and not isinstance(value, (str, int, float, bool)):
-            raise InvalidParameter(f"fields['{field[1]}'] must be a string, a number or null.",
-                                   field="fields")
+            raise InvalidParameter(f"{param}['{field[1]}'] must be a string, a number or null.",
+                                   field=param)
         try:
             data[str(field[0])] = _convert_value(field[2], value)
         except ValueError as error:
-            raise InvalidParameter(f"fields['{field[1]}']: {error}.", field="fields") from None
+            raise InvalidParameter(f"{param}['{field[1]}']: {error}.", field=param) from None
     return data
 
 
@@ -5240,6 +5277,9 @@ def _recipient_write_values(call, row):
         if "email" in values and status in ("active", "unconfirmed"):
             blocked = _blocked_status(call.conn, call.service.secret, call.account, address)
         values["status"] = blocked or status
+        # Made active by the API: confirmed (_recipient_changed raises it).
+        call.memo["confirmed"] = row is not None and row["status"] == "unconfirmed" \
+            and values["status"] == "active"
     return values
 
 
@@ -5274,6 +5314,11 @@ def _recipient_changed(call, recipient_id):
         row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
         suppress(call.conn, call.account, row["email"], "unsubscribed",
                  pending=call.events)
+    elif call.memo.get("confirmed"):
+        row = RECIPIENT.find(call.conn, call.parent["id"], recipient_id)
+        emit(call.conn, call.account, "recipient.confirmed",
+             {"id": str(row["id"]), "datasource": str(row["datasource"]), "email": row["email"]},
+             call.events)
 
 
 def _erase_recipient(call, row):
@@ -6843,10 +6888,35 @@ class _Campaign:
     """What verify's checks look at: the campaign, its sender profile, its
     links, and the messages and segments they name (by id)."""
 
+    #: What the checks' messages call it, and where it is changed.
+    kind = "campaign"
+
     def __init__(self, conn, account, campaign_id, templates_dir="", settings=None):
         self.conn, self.id, self.settings = conn, campaign_id, settings or {}
+        self.path = f"/v1/campaign/{campaign_id}"
         self.row = CAMPAIGN.find(conn, account, campaign_id)
-        self.template, self.template_problem = None, None
+        self.read_sender(account, templates_dir)
+        self.links = _campaign_links(conn, campaign_id)
+        self.messages = _rows_by_id(conn, "message", [
+            message for link in self.links for message in _versions(link)], account)
+        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
+                                    account)
+
+    def report(self, checks):
+        """The verify record of ``checks`` (``(name, check)`` pairs) on this:
+        ``{id, <kind>, passed, checks, verified}``."""
+        listed = []
+        for name, check in checks:
+            problems, passed_message = check(self)
+            listed.append({"check": name, "passed": "0" if problems else "1",
+                           "message": " ".join(problems) if problems else passed_message})
+        passed = all(item["passed"] == "1" for item in listed)
+        return {"id": str(self.id), self.kind: str(self.id), "passed": "1" if passed else "0",
+                "checks": listed, "verified": _now()}
+
+    def read_sender(self, account, templates_dir):
+        """The template and the sender profile that ``self.row`` names."""
+        conn, self.template, self.template_problem = self.conn, None, None
         try:
             self.template = _campaign_template(conn, account, self.row["defaulttemplate"],
                                               templates_dir)
@@ -6859,11 +6929,6 @@ class _Campaign:
             else self.profile_row
         self.profile_address = self.profile is not None and _normalize_email(
             self.profile["fromaddress"])
-        self.links = _campaign_links(conn, campaign_id)
-        self.messages = _rows_by_id(conn, "message", [
-            message for link in self.links for message in _versions(link)], account)
-        self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
-                                    account)
 
     def bodies(self, message):
         """``{"html", "text"}`` of a message as it is sent: inside the template
@@ -6911,7 +6976,7 @@ def _verify_not_deleted(c):
 @_verify_check("sender_profile")
 def _verify_profile(c):
     pid = c.profile_id
-    other = f"point the campaign at another one with POST /v1/campaign/{c.id} and accountprofile"
+    other = f"point the {c.kind} at another one with POST {c.path} and accountprofile"
     if c.profile is not None:
         problems = []
     elif c.profile_row is not None:
@@ -6980,14 +7045,14 @@ def _verify_template_found(c):
     problem = c.template_problem
     return [str(problem)] if problem and problem.check == "template_found" else [], (
         f"The template '{c.row['defaulttemplate']}' is there." if c.row["defaulttemplate"]
-        else "The campaign has no template (defaulttemplate '').")
+        else f"The {c.kind} has no template (defaulttemplate '').")
 
 
 @_verify_check("template_content")
 def _verify_template_content(c):
     problem = c.template_problem
     if not c.row["defaulttemplate"]:
-        passed = "The campaign has no template (defaulttemplate '')."
+        passed = f"The {c.kind} has no template (defaulttemplate '')."
     elif problem:
         passed = "The template's content could not be checked (see template_found)."
     else:
@@ -7149,15 +7214,7 @@ def verify_campaign(conn, account, campaign_id, templates_dir="", *, settings=No
         ``links`` (check every link), ``webhook_allow_private``,
         ``spamassassin``, ``spam_threshold``; None: their defaults.
     """
-    campaign = _Campaign(conn, account, campaign_id, templates_dir, settings)
-    checks = []
-    for name, check in _VERIFY_CHECKS:
-        problems, passed_message = check(campaign)
-        checks.append({"check": name, "passed": "0" if problems else "1",
-                       "message": " ".join(problems) if problems else passed_message})
-    passed = all(item["passed"] == "1" for item in checks)
-    return {"id": str(campaign_id), "campaign": str(campaign_id), "passed": "1" if passed else "0",
-            "checks": checks, "verified": _now()}
+    return _Campaign(conn, account, campaign_id, templates_dir, settings).report(_VERIFY_CHECKS)
 
 
 
@@ -7415,14 +7472,20 @@ def _campaign_winner(call, child_id):
 def _verified(call, campaign_id, only=None):
     """Refuse (409 verification_failed, with the checks) a campaign that fails
     verify; ``only``: the names of the checks that count."""
-    report = verify_campaign(call.conn, call.account, campaign_id,
-                             call.service.config["templates_dir"],
-                             settings=_verify_settings(call))
+    _refuse_failing(verify_campaign(call.conn, call.account, campaign_id,
+                                    call.service.config["templates_dir"],
+                                    settings=_verify_settings(call)),
+                    f"Campaign {campaign_id}", only)
+
+
+def _refuse_failing(report, what, only=None):
+    """409 verification_failed, with the checks, unless ``report`` (a verify
+    record) passes; ``only``: the names of the checks that count."""
     failing = [check for check in report["checks"] if check["passed"] != "1"
                and (only is None or check["check"] in only)]
     if failing:
         raise VerificationFailed(
-            f"Campaign {campaign_id} fails verification: " + " ".join(
+            f"{what} fails verification: " + " ".join(
                 check["message"] for check in failing), checks=report["checks"])
 
 
@@ -7447,9 +7510,8 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
     :param templates_dir: where template files named by defaulttemplate are.
     :returns: the number of batches made.
     """
-    conn = connect(db) if isinstance(db, str) else db
     pending = [] if on_event else None
-    try:
+    with _opened(db) as conn:
         now = now or _now()
         made = 0
         while True:
@@ -7487,9 +7549,6 @@ def process_due(db, now=None, on_event=None, *, templates_dir=""):
             if pending:
                 _run_callbacks(on_event, pending)
         return made
-    finally:
-        if isinstance(db, str):
-            conn.close()
 
 
 def _batch_event(conn, batch, kind, pending):
@@ -7748,11 +7807,16 @@ def _batch_statistics(conn, batch):
             "WHERE e.batch = ? AND e.kind = 'click' GROUP BY l.url", (batch["id"],)):
         links[url] = [clicks, clicked]
     figures["links"] = links
-    figures["timeline"] = {row[0]: [row[1], row[2]] for row in conn.execute(
-        "SELECT substr(created, 1, 13), count(*) FILTER (WHERE kind = 'open'), "
-        "count(*) FILTER (WHERE kind = 'click') FROM event WHERE batch = ? "
-        "AND kind IN ('open', 'click') GROUP BY substr(created, 1, 13)", (batch["id"],))}
+    figures["timeline"] = _event_timeline(conn, "batch = ?", (batch["id"],))
     return figures
+
+
+def _event_timeline(conn, where, args):
+    """``{'YYYY-MM-DD HH': [opens, clicks]}`` of the events ``where`` selects."""
+    return {row[0]: [row[1], row[2]] for row in conn.execute(
+        "SELECT substr(created, 1, 13), count(*) FILTER (WHERE kind = 'open'), "
+        f"count(*) FILTER (WHERE kind = 'click') FROM event WHERE {where} "
+        "AND kind IN ('open', 'click') GROUP BY substr(created, 1, 13)", args)}
 
 
 def _statistics_record(figures):
@@ -8105,6 +8169,785 @@ TRANSACTIONAL = Resource(
                       _TEMPLATE_VALUE),
          "tracking": ("1: count opens and clicks (its links go through this API); default 0.",
                       "0")})
+
+
+# ---------------------------------------------------------------------------
+# Automations: a sequence of steps that each recipient walks on their own
+# (a run); its emails are prepared messages (_prepared()), its runs advance
+# in the worker (advance_runs(), _WORKER_STEPS), its triggers are internal
+# event subscribers, a date checked hourly, and the API.
+# ---------------------------------------------------------------------------
+
+_MAX_STEPS = 50
+_MAX_WAIT = 366 * 86400
+_WAIT_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_TRIGGER_TYPES = ("subscribed", "date", "api")
+_RUN_STATUSES = ("waiting", "finished", "stopped", "cancelled")
+#: The date trigger is evaluated at least this often (seconds), and at once
+#: when the automation is enabled.
+_DATE_CHECK_EVERY = 3600
+#: Runs one transaction of advance_runs() moves on by a step.
+_RUN_CHUNK = 10_000
+
+
+def _step_kind(step):
+    return next(iter(step))
+
+
+def _wait_seconds(value, where):
+    """A wait step's duration in seconds: a number, or digits and s/m/h/d."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) \
+        else ""
+    match = re.fullmatch(r"([0-9]{1,9})([smhd]?)", text)
+    if match is None:
+        raise InvalidParameter(f"{where}: a wait is seconds as a number, or digits followed by "
+                               "s, m, h or d ('3d').", field="steps")
+    seconds = int(match[1]) * _WAIT_UNITS[match[2] or "s"]
+    if seconds > _MAX_WAIT:
+        raise InvalidParameter(f"{where}: a wait is at most 366 days.", field="steps")
+    return seconds
+
+
+def _checked_condition(call, datasource, condition, index, where, depth=0):
+    """A continue_if condition as stored: a segment condition on the
+    datasource's fields, opened/clicked of an earlier send step, not/all/any."""
+    if not isinstance(condition, dict) or len(condition) != 1 and not (
+            set(condition) <= {"field", "op", "value"}) or depth > 8:
+        raise InvalidParameter(f"{where} must be a condition: {{field, op, value}}, "
+                               "{opened: STEP}, {clicked: STEP}, {not: C}, {all: [C]} or "
+                               "{any: [C]}.", field="steps")
+    word = next(iter(condition)) if len(condition) == 1 else None
+    if word in ("opened", "clicked"):
+        step = _as_int(condition[word]) if not isinstance(condition[word], bool) else None
+        if step is None:
+            raise InvalidParameter(f"{where}.{word} must be the index of a send step.",
+                                   field="steps")
+        if step >= index or _step_kind(call.memo["steps"][step]) != "send":
+            raise Conflict(f"{where}: '{word}' names step {condition[word]}, which is not a send "
+                           f"step before step {index}.", field="steps")
+        return {word: step}
+    if word == "not":
+        return {"not": _checked_condition(call, datasource, condition["not"], index,
+                                          f"{where}.not", depth + 1)}
+    if word in ("all", "any"):
+        items = condition[word]
+        if not isinstance(items, list) or not items:
+            raise InvalidParameter(f"{where}.{word} must be a non-empty list of conditions.",
+                                   field="steps")
+        return {word: [_checked_condition(call, datasource, item, index, f"{where}.{word}[{n}]",
+                                          depth + 1) for n, item in enumerate(items)]}
+    try:
+        return _checked_conditions(call.conn, [datasource], [condition])[0]
+    except ApiError as error:
+        error.message = f"{where}: " + error.message.replace("conditions[0]", "the condition")
+        error.extra["field"] = "steps"
+        raise
+
+
+def _checked_steps(call, datasource, given):
+    """``steps`` as stored: each exactly one of send (a live message of the
+    account), wait (seconds), continue_if (a checked condition) and update
+    (typed field values of the datasource)."""
+    if not 1 <= len(given) <= _MAX_STEPS:
+        raise InvalidParameter(f"'steps' must list 1 to {_MAX_STEPS} steps.", field="steps")
+    call.memo["steps"] = steps = []
+    fields = _datasource_fields(call.conn, datasource)
+    for index, step in enumerate(given):
+        where = f"steps[{index}]"
+        kind = next(iter(step)) if isinstance(step, dict) and len(step) == 1 else None
+        if kind == "send":
+            number = _as_int(step["send"]) if not isinstance(step["send"], bool) else None
+            if number is None:
+                raise InvalidParameter(f"{where}.send must be a message id.", field="steps")
+            try:
+                MESSAGE.find(call.conn, call.account, number, live=True)
+            except (NotFound, Conflict) as error:
+                error.message = f"'{where}.send': {error.message}"
+                error.extra["field"] = "steps"
+                raise
+            steps.append({"send": number})
+        elif kind == "wait":
+            steps.append({"wait": _wait_seconds(step["wait"], where)})
+        elif kind == "continue_if":
+            steps.append({"continue_if": None})    # its own index may not be named
+            steps[-1] = {"continue_if": _checked_condition(
+                call, datasource, step["continue_if"], index, f"{where}.continue_if")}
+        elif kind == "update":
+            if not isinstance(step["update"], dict) or not step["update"]:
+                raise InvalidParameter(f"{where}.update must be an object of field values.",
+                                       field="steps")
+            data = _typed_fields(call, step["update"], fields, datasource, "steps")
+            names = {str(field_id): name for field_id, name, _ in fields.values()}
+            steps.append({"update": {names[key]: value for key, value in data.items()}})
+        else:
+            raise InvalidParameter(f"{where} must be an object with exactly one of send, wait, "
+                                   "continue_if and update.", field="steps")
+    return steps
+
+
+def _checked_trigger(call, datasource, trigger):
+    """``trigger`` as stored (JSON text, "type" first): subscribed, api, or
+    date with a field of type date, days and yearly."""
+    kind = trigger.get("type")
+    extra = set(trigger) - ({"type", "field", "days", "yearly"} if kind == "date" else {"type"})
+    if kind not in _TRIGGER_TYPES or extra:
+        raise InvalidParameter("'trigger' must be {\"type\": \"subscribed\"}, {\"type\": \"api\"} "
+                               "or {\"type\": \"date\", \"field\", \"days\", \"yearly\"}.",
+                               field="trigger", allowed=list(_TRIGGER_TYPES))
+    if kind != "date":
+        return _to_json({"type": kind})
+    name = trigger.get("field")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidParameter("'trigger.field' must name a field of type date.",
+                               field="trigger")
+    field = _datasource_fields(call.conn, datasource).get(name.lower())
+    if field is None or field[2] != "date":
+        raise Conflict(f"The date trigger's field '{name}' is not a field of type date of "
+                       f"datasource {datasource}.", field="trigger")
+    days = trigger.get("days", 0)
+    if isinstance(days, bool) or not isinstance(days, (int, str)) or \
+            not re.fullmatch(r"-?[0-9]{1,4}", str(days).strip()):
+        raise InvalidParameter("'trigger.days' must be a whole number of days (may be negative).",
+                               field="trigger")
+    yearly = _param_flag("trigger.yearly", trigger.get("yearly", "0"))
+    return _to_json({"type": "date", "field": field[1], "days": int(str(days).strip()),
+                     "yearly": str(yearly)})
+
+
+def _automation_values(call, row):
+    values = _columns(call, ("name", "accountprofile", "tracking"))
+    datasource = call.params.get("datasource", row and row["datasource"])
+    if "datasource" in call.params:
+        values["datasource"] = datasource
+    if "defaulttemplate" in call.params:
+        values["defaulttemplate"] = _param_defaulttemplate(call, call.params["defaulttemplate"])
+    if "trigger" in call.params or "datasource" in call.params:
+        trigger = call.params["trigger"] if "trigger" in call.params else json.loads(
+            row["trigger"])
+        values["trigger"] = _checked_trigger(call, datasource, trigger)
+    if "steps" in call.params or "datasource" in call.params:
+        steps = call.params["steps"] if "steps" in call.params else json.loads(row["steps"])
+        values["steps"] = _to_json(_checked_steps(call, datasource, steps))
+    if "enabled" in call.params:
+        values["enabled"] = call.params["enabled"]
+    # Where its links point: as the latest write said (a batch keeps its sender's).
+    values["base_url"] = call.base_url
+    call.memo["was"] = dict(row) if row is not None else None
+    return values
+
+
+def _automation_written(call, automation_id):
+    """After a create or change, in its transaction: enabling verifies (409
+    verification_failed) and evaluates a date trigger at once; pausing holds
+    the runs and enabling resumes them; waiting runs past the end of new
+    steps finish."""
+    row = AUTOMATION.find(call.conn, call.account, automation_id)
+    was = call.memo.get("was") or {"enabled": 0, "steps": "[]"}
+    now = _now()
+    if row["enabled"] and not was["enabled"]:
+        _refuse_failing(verify_automation(call.conn, call.account, automation_id,
+                                          call.service.config["templates_dir"]),
+                        f"Automation {automation_id}")
+    if row["enabled"] != was["enabled"]:
+        call.conn.execute("UPDATE automation_run SET paused = ? WHERE automation = ? "
+                          "AND status = 'waiting'", (1 - row["enabled"], automation_id))
+    if row["steps"] != was["steps"]:
+        _end_runs(call.conn, row, "finished", "the steps end here", now, _listened(call),
+                  f"step >= {len(json.loads(row['steps']))}")
+    if row["enabled"] and not was["enabled"] and row["trigger"].startswith('{"type":"date"'):
+        _date_entries(call.conn, row, now, _listened(call))
+
+
+def _automation_deleted(call, row):
+    _end_runs(call.conn, row, "cancelled", "the automation was deleted", _now(),
+              _listened(call))
+
+
+def _automation_record(call, row):
+    return {"id": str(row["id"]), "owner": str(row["owner"]), "name": row["name"],
+            "datasource": str(row["datasource"]), "trigger": json.loads(row["trigger"]),
+            "steps": json.loads(row["steps"]), "accountprofile": str(row["accountprofile"]),
+            "defaulttemplate": row["defaulttemplate"], "tracking": str(row["tracking"]),
+            "enabled": str(row["enabled"]), "running": str(row["running"]),
+            "finished": str(row["finished"]), "created": row["created"],
+            "deleted": str(row["deleted"])}
+
+
+_STEP_SCHEMA = {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+    "send": {}, "wait": {}, "continue_if": {"type": "object"}, "update": {"type": "object"}}}
+_TRIGGER_SCHEMA = {"type": "object", "required": ["type"], "properties": {
+    "type": {"type": "string", "enum": list(_TRIGGER_TYPES)}, "field": {"type": "string"},
+    "days": {}, "yearly": {}}}
+
+AUTOMATION = Resource(
+    "automation", "automation", _automation_record,
+    columns="name:str datasource:int@datasource trigger:object steps:list "
+            "accountprofile:int@accountprofile defaulttemplate:scalar@template tracking:flag "
+            "enabled:flag",
+    required="name datasource trigger steps accountprofile", values=_automation_values,
+    after_create=_automation_written, after_change=_automation_written,
+    on_delete=_automation_deleted,
+    select="*, (SELECT count(*) FROM automation_run r WHERE r.automation = automation.id "
+           "AND r.status = 'waiting') AS running, (SELECT count(*) FROM automation_run r "
+           "WHERE r.automation = automation.id AND r.status = 'finished') AS finished",
+    fields=_record_schema(
+        "id owner name datasource trigger steps accountprofile defaulttemplate tracking "
+        "enabled running finished created deleted",
+        trigger=_TRIGGER_SCHEMA, steps={"type": "array", "items": _STEP_SCHEMA},
+        tracking=_FLAG_ANSWER, enabled=_FLAG_ANSWER, deleted=_FLAG_ANSWER,
+        running=_COUNT, finished=_COUNT),
+    doc={
+        "datasource": ("The datasource whose recipients walk the automation.", 1),
+        "trigger": ("What starts a run: {\"type\": \"subscribed\"} (a recipient becomes active), "
+                    "{\"type\": \"date\", \"field\": NAME, \"days\": N, \"yearly\": \"0\"|\"1\"} "
+                    "or {\"type\": \"api\"} (started by hand only).", {"type": "subscribed"},
+                    _TRIGGER_SCHEMA),
+        "steps": ("1 to 50 steps, each one of {\"send\": MESSAGE}, {\"wait\": \"3d\"}, "
+                  "{\"continue_if\": CONDITION}, {\"update\": {FIELD: VALUE}}.",
+                  [{"send": 1}, {"wait": "3d"}, {"send": 2}],
+                  {"minItems": 1, "maxItems": _MAX_STEPS, "items": _STEP_SCHEMA}),
+        "accountprofile": ("The id of the sender profile its emails are sent as.", 1),
+        "defaulttemplate": ("The template its messages are wrapped in: '', a template id or a "
+                            "template file name (as a campaign's).", ""),
+        "tracking": ("1: opens and clicks of its emails are counted (off by default).", "0"),
+        "enabled": ("1: runs start and advance (verify runs first); 0: paused.", "0")})
+
+
+# Runs ----------------------------------------------------------------------------
+
+def _run_record(call, row):
+    return {"id": str(row["id"]), "automation": str(row["automation"]),
+            "recipient": str(row["recipient"]), "step": str(row["step"]),
+            "status": row["status"], "due": row["due"], "started": row["started"],
+            "finished": row["finished"], "history": json.loads(row["history"])}
+
+
+RUN = Resource(
+    "run", "automation_run", _run_record, parent=AUTOMATION, parent_key="automation",
+    soft_delete=False, stamped=False,
+    filters={"status:" + "|".join(_RUN_STATUSES): "automation_run.status = ?",
+             "recipient:int": "automation_run.recipient = ?"},
+    fields=_record_schema(
+        "id automation recipient step status due started finished history",
+        status={"type": "string", "enum": list(_RUN_STATUSES)},
+        history={"type": "array", "items": _record_schema("step at outcome")}),
+    doc={"status": ("Only the runs with this status.", "waiting"),
+         "recipient": ("A recipient id of the automation's datasource: who walks the run "
+                       "a start makes; on a listing, only that recipient's runs.", 1)})
+
+
+def _run_get(call, child_id):
+    """RUN.get, the ``recipient`` filter looked up first: a recipient of the
+    automation's datasource, else 404 as any reference."""
+    if "recipient" in call.params:
+        RECIPIENT.find(call.conn, call.parent["datasource"], call.params["recipient"])
+    return RUN.get(call, child_id)
+
+
+def _ids_sql(conn):
+    return conn.sql["json_ids"].format(array="?")
+
+
+def _history_entry(step, now, outcome):
+    return _to_json({"step": str(step), "at": now, "outcome": outcome})
+
+
+def _run_events(conn, account, kind, run_ids, pending):
+    """``automation.<kind>`` for each run (payload: the run), built only
+    when someone hears it: a webhook, the on_event list ``pending``, a
+    subscriber (a set of runs is raised at once, maybe a million)."""
+    kind = f"automation.{kind}"
+    webhooks = _webhooks_wanting(conn, account, kind) if run_ids else []
+    if webhooks or (run_ids and (pending is not None or _SUBSCRIBERS[kind])):
+        for row in conn.execute(f"SELECT * FROM automation_run WHERE id IN ({_ids_sql(conn)}) "
+                                "ORDER BY id", (_to_json(sorted(run_ids)),)).fetchall():
+            emit(conn, account, kind, _run_record(None, row), pending, webhooks=webhooks)
+
+
+def _listened(call):
+    """The request's on_event list when the app has a callback, else None:
+    for the events of a set of runs, built only when someone hears them."""
+    return call.events if call.service.config["on_event"] else None
+
+
+def _end_runs(conn, automation, status, outcome, now, pending, where="1 = 1", params=()):
+    """End the automation's waiting runs that ``where`` (SQL on
+    automation_run) selects as ``status``, with ``outcome`` in their history,
+    and raise automation.finished for each (payload: the run)."""
+    selected = f"automation = ? AND status = 'waiting' AND ({where})"
+    ended = []
+    for (step,) in conn.execute(f"SELECT DISTINCT step FROM automation_run WHERE {selected}",
+                                (automation["id"], *params)).fetchall():
+        ended += [row[0] for row in conn.execute(
+            "UPDATE automation_run SET status = ?, due = NULL, finished = ?, "
+            f"history = {conn.sql['json_append'].format(json='history', value='?')} "
+            f"WHERE {selected} AND step = ? RETURNING id",
+            (status, now, _history_entry(step, now, outcome), automation["id"], *params, step))]
+    _run_events(conn, automation["owner"], "finished", ended, pending)
+    return ended
+
+
+def _start_runs(conn, automation, origin, where, params, now, pending):
+    """Start a run of ``automation`` (a row) for each active recipient of its
+    datasource that ``where`` (SQL on ``recipient r``) selects, unless it has
+    a waiting run of it, or one of the same ``origin``; one statement.
+    Raises automation.started for each (the ids are read back only for
+    that).  Returns how many started."""
+    kind, account = "automation.started", automation["owner"]
+    heard = pending is not None or _SUBSCRIBERS[kind] or _webhooks_wanting(conn, account, kind)
+    cursor = conn.execute(
+        "INSERT INTO automation_run (automation, recipient, step, status, due, paused, origin, "
+        "started, history) SELECT ?, r.id, 0, 'waiting', ?, 0, ?, ?, '[]' FROM recipient r "
+        f"WHERE r.datasource = ? AND r.status = 'active' AND ({where}) "
+        f"ON CONFLICT DO NOTHING{' RETURNING id' if heard else ''}",
+        (automation["id"], now, origin, now, automation["datasource"], *params))
+    if not heard:
+        return cursor.rowcount
+    started = [row[0] for row in cursor.fetchall()]
+    _run_events(conn, account, "started", started, pending)
+    return len(started)
+
+
+def _run_start(call, child_id):
+    """PUT /automation/{a}/run/0: a run for one recipient, by hand."""
+    automation = call.parent
+    if child_id != 0:
+        raise Conflict("Runs are numbered by the service: start one at run/0.")
+    if not automation["enabled"]:
+        raise Conflict(f"Automation {automation['id']} is not enabled: enable it first.")
+    recipient = RECIPIENT.find(call.conn, automation["datasource"], call.params["recipient"])
+    if recipient["status"] != "active":
+        raise Conflict(f"Recipient {recipient['id']} is {recipient['status']}: only active "
+                       "recipients walk an automation.", field="recipient")
+    if not _start_runs(call.conn, automation, None, "r.id = ?", (recipient["id"],), _now(),
+                       call.events):
+        raise Conflict(f"Recipient {recipient['id']} already has a waiting run of automation "
+                       f"{automation['id']}.", field="recipient")
+    return {"id": str(call.conn.execute(
+        "SELECT id FROM automation_run WHERE automation = ? AND recipient = ? "
+        "AND status = 'waiting'", (automation["id"], recipient["id"])).fetchone()[0])}
+
+
+def _run_cancel(call, child_id):
+    """DELETE /automation/{a}/run/{id}: cancel a waiting run."""
+    run = RUN.find(call.conn, call.parent["id"], child_id)
+    if run["status"] != "waiting":
+        raise Conflict(f"Run {run['id']} is {run['status']}: only a waiting run is cancelled.")
+    _end_runs(call.conn, call.parent, "cancelled", "cancelled by hand", _now(), call.events,
+              "id = ?", (run["id"],))
+    return True
+
+
+# Triggers: internal subscribers (a recipient becomes active), a date --------------
+
+def _subscribed_entries(conn, account, where, params, pending):
+    """Runs of the account's enabled automations with a subscribed trigger on
+    the datasource of the recipients ``where`` selects."""
+    for automation in conn.execute(
+            "SELECT * FROM automation WHERE owner = ? AND enabled = 1 AND deleted = 0 "
+            "AND trigger = ?", (account, _to_json({"type": "subscribed"}))).fetchall():
+        _start_runs(conn, automation, "subscribed", where, params, _now(), pending)
+
+
+def _on_recipient_active(conn, account, payload, pending):
+    if payload["data"].get("status", "active") == "active":
+        _subscribed_entries(conn, account, "r.id = ?", (int(payload["data"]["id"]),), pending)
+
+
+def _on_import(conn, account, payload, pending):
+    # The addresses the import inserted (recipient.import): new ones only.
+    _subscribed_entries(conn, account, "r.import = ?", (int(payload["data"]["id"]),), pending)
+
+
+_subscribe("recipient.subscribed", _on_recipient_active)
+_subscribe("recipient.confirmed", _on_recipient_active)
+_subscribe("import.finished", _on_import)
+
+
+def _date_entries(conn, automation, now, pending):
+    """A date trigger's runs of today (UTC): the recipients whose date field
+    plus ``days`` is today (with ``yearly``: today's month and day; 29
+    February counts on 28 February in other years); once per recipient a
+    day (a year with yearly)."""
+    trigger = json.loads(automation["trigger"])
+    field = _datasource_fields(conn, automation["datasource"]).get(trigger["field"].lower())
+    conn.execute("UPDATE automation SET checked = ? WHERE id = ?", (now, automation["id"]))
+    if field is None or field[2] != "date":
+        return 0
+    value = conn.sql["json_value"].format(json="r.data", key=int(field[0]))
+    today = datetime.date.fromisoformat(now[:10])
+    target = today - datetime.timedelta(days=trigger["days"])
+    if trigger["yearly"] != "1":
+        return _start_runs(conn, automation, f"date:{today}", f"{value} = ?",
+                           (target.isoformat(),), now, pending)
+    days = [target.strftime("%m-%d")]
+    if days == ["02-28"] and not calendar.isleap(target.year):
+        days.append("02-29")
+    marks = ", ".join("?" for _ in days)
+    return _start_runs(conn, automation, f"date:{today.year}",
+                       f"substr({value}, 6, 5) IN ({marks})", days, now, pending)
+
+
+def check_dates(db, now=None, on_event=None):
+    """Evaluate the date trigger of every enabled automation whose last look
+    is an hour old (or of another day): the worker's hourly step.
+
+    :returns: the number of runs started.
+    """
+    pending = [] if on_event else None
+    with _opened(db) as conn:
+        now = now or _now()
+        started = 0
+        for automation in conn.execute(
+                "SELECT * FROM automation WHERE enabled = 1 AND deleted = 0 "
+                "AND trigger LIKE '{\"type\":\"date\"%' AND (checked IS NULL OR checked < ? "
+                "OR substr(checked, 1, 10) != ?)",
+                (_shift(now, -_DATE_CHECK_EVERY), now[:10])).fetchall():
+            with transaction(conn):
+                row = conn.execute("SELECT * FROM automation WHERE id = ? AND enabled = 1 "
+                                   f"AND deleted = 0 {conn.sql['for_update']}",
+                                   (automation["id"],)).fetchone()
+                if row is not None:
+                    started += _date_entries(conn, row, now, pending)
+            if pending:
+                _run_callbacks(on_event, pending)
+        return started
+
+
+# Advancing runs: set-based, a step of many runs at once ---------------------------
+
+def _run_condition_sql(conn, automation, condition):
+    """``(sql, params)`` of a continue_if condition over ``automation_run``
+    (the run) and, in a field condition, its recipient."""
+    word = next(iter(condition)) if len(condition) == 1 else None
+    if word in ("opened", "clicked"):
+        kinds = "('open', 'click')" if word == "opened" else "('click')"
+        return ("(SELECT 1 FROM outbox o JOIN event e ON e.prepared = o.prepared "
+                "AND e.outbox = o.id WHERE o.recipient = automation_run.recipient "
+                "AND o.prepared IN (SELECT id FROM prepared WHERE scope = ?) "
+                f"AND o.created >= automation_run.started AND e.kind IN {kinds} LIMIT 1) "
+                "IS NOT NULL", (f"automation:{automation['id']}:{condition[word]}",))
+    if word == "not":
+        sql, params = _run_condition_sql(conn, automation, condition["not"])
+        return f"NOT ({sql})", params
+    if word in ("all", "any"):
+        parts = [_run_condition_sql(conn, automation, item) for item in condition[word]]
+        joiner = " AND " if word == "all" else " OR "
+        return joiner.join(f"({sql})" for sql, _ in parts), tuple(
+            param for _, params in parts for param in params)
+    where, params = _segment_filter(conn, [automation["datasource"]], "all", [condition])
+    return (f"(SELECT 1 FROM recipient r WHERE r.id = automation_run.recipient AND {where}) "
+            "IS NOT NULL", params)
+
+
+def _advance(conn, run_ids, steps, index, now, outcome=None):
+    """Move runs past step ``index`` (its ``outcome`` in their history), and
+    past the wait steps that follow it (or that it is): a wait counts from
+    now, when the step before it ran, so it needs no round of its own."""
+    entries, due, following = [], now, index
+    if _step_kind(steps[index]) != "wait":
+        entries.append(_history_entry(index, now, outcome))
+        following += 1
+    while following < len(steps) and _step_kind(steps[following]) == "wait":
+        due = _shift(due, steps[following]["wait"])
+        entries.append(_history_entry(following, now, "waited"))
+        following += 1
+    history = "history"
+    for _ in entries:
+        history = conn.sql["json_append"].format(json=history, value="?")
+    conn.execute(f"UPDATE automation_run SET step = ?, due = ?, history = {history} "
+                 f"WHERE id IN ({_ids_sql(conn)})",
+                 (following, due, *entries, _to_json(run_ids)))
+
+
+def _send_step(conn, automation, index, message_id, run_ids, now, templates_dir):
+    """Queue the send step's email for each run, from the step's prepared
+    message; the outcome, or the reason none can be sent."""
+    account = automation["owner"]
+    message = conn.execute("SELECT * FROM message WHERE id = ? AND owner = ? AND deleted = 0",
+                           (message_id, account)).fetchone()
+    if message is None:
+        return f"message {message_id} is deleted"
+    try:
+        template = _campaign_template(conn, account, automation["defaulttemplate"], templates_dir)
+    except _TemplateUnusable as problem:
+        return f"the template cannot be used: {problem}"
+    sender = _campaign_sender(conn, automation, message)
+    prepared = _prepared(conn, account, f"automation:{automation['id']}:{index}", message,
+                         sender, template=template, tracking=automation["tracking"],
+                         base_url=automation["base_url"],
+                         list_id=_list_id("automation", automation["id"], account))
+    enqueue(conn, account, "automation", prepared=prepared, now=now, recipients=(
+        f"r.status = 'active' AND r.id IN (SELECT recipient FROM automation_run "
+        f"WHERE id IN ({_ids_sql(conn)}))",
+        (_to_json(run_ids),)))
+    return None
+
+
+def _run_step(conn, automation, index, run_ids, now, pending, templates_dir):
+    """One step of the automation for the given waiting runs (all at step
+    ``index``), in the caller's transaction."""
+    ids = _to_json(run_ids)
+    if conn.execute("SELECT deleted FROM datasource WHERE id = ?",
+                    (automation["datasource"],)).fetchone()[0]:   # its recipients get no mail
+        _end_runs(conn, automation, "stopped", "the datasource is deleted", now, pending,
+                  f"id IN ({_ids_sql(conn)})", (ids,))
+        return
+    # A recipient who left (or was erased) is never mailed: the run stops.
+    # (A scalar subquery: the recipient is found by its id whatever the
+    # planner believes of the tables' sizes; a NOT EXISTS became a join
+    # that scanned the list once per run on PostgreSQL's fresh statistics.)
+    left = set(_end_runs(conn, automation, "stopped", "the recipient is no longer active", now,
+                         pending, f"id IN ({_ids_sql(conn)}) AND (SELECT r.status FROM recipient "
+                         "r WHERE r.id = automation_run.recipient AND r.datasource = ?) "
+                         "IS DISTINCT FROM 'active'", (ids, automation["datasource"])))
+    steps = json.loads(automation["steps"])
+    if index >= len(steps):
+        _end_runs(conn, automation, "finished", "the steps end here", now, pending,
+                  f"id IN ({_ids_sql(conn)})", (ids,))
+        return
+    live = [run for run in run_ids if run not in left]
+    if not live:
+        return
+    step = steps[index]
+    kind = _step_kind(step)
+    if kind == "send":
+        problem = _send_step(conn, automation, index, step["send"], live, now, templates_dir)
+        if problem:
+            _end_runs(conn, automation, "stopped", problem, now, pending,
+                      f"id IN ({_ids_sql(conn)})", (_to_json(live),))
+            return
+        _advance(conn, live, steps, index, now, "sent")
+    elif kind == "wait":   # the first step, or the steps were changed: a wait of its own
+        _advance(conn, live, steps, index, now)
+    elif kind == "continue_if":
+        sql, params = _run_condition_sql(conn, automation, step["continue_if"])
+        _end_runs(conn, automation, "stopped", "the condition does not hold", now, pending,
+                  f"id IN ({_ids_sql(conn)}) AND NOT ({sql})", (_to_json(live), *params))
+        kept = [row[0] for row in conn.execute(
+            f"SELECT id FROM automation_run WHERE id IN ({_ids_sql(conn)}) "
+            "AND status = 'waiting'", (_to_json(live),))]
+        if kept:
+            _advance(conn, kept, steps, index, now, "the condition holds")
+    else:   # update
+        fields = _datasource_fields(conn, automation["datasource"])
+        patch = {str(fields[name.lower()][0]): value for name, value in step["update"].items()
+                 if name.lower() in fields}
+        conn.execute(
+            f"UPDATE recipient SET data = {conn.sql['json_merge'].format(json='data', patch='?')},"
+            " updated = ? WHERE id IN (SELECT recipient FROM automation_run "
+            f"WHERE id IN ({_ids_sql(conn)}))", (_to_json(patch), now, _to_json(live)))
+        _advance(conn, live, steps, index, now, "updated")
+
+
+#: The runs due at a time (a parameter), the first so many (another): read
+#: from the index automation_run_due alone, so runs not due cost nothing.
+_DUE_RUNS = ("SELECT id, automation, step FROM automation_run WHERE status = 'waiting' "
+             "AND paused = 0 AND due <= ? ORDER BY due LIMIT ?")
+
+
+def advance_runs(db, now=None, on_event=None, *, templates_dir="", chunk=_RUN_CHUNK,
+                 rounds=100):
+    """Move every due run of an enabled automation on by its steps: the
+    worker's step for automations.  A round claims up to ``chunk`` due runs
+    (on PostgreSQL rows no other worker has locked) and runs their next
+    step set-based, per automation and step, in one transaction: the email
+    of a send step is queued in the transaction that moves the run past it,
+    so a crash or a second worker never queues it twice.  Steps that need no
+    waiting follow in the next rounds at once.
+
+    :param now: the current time, 'YYYY-MM-DD HH:MM:SS' UTC (tests pass it).
+    :param rounds: at most this many rounds a call (the worker calls again).
+    :returns: how many run steps were taken.
+    """
+    pending, due = ([] if on_event else None), _DUE_RUNS
+    with _opened(db) as conn:
+        now = now or _now()
+        done = 0
+        # Read first: the idle tick reads one index entry, nothing else.
+        if conn.execute(due, (now, 1)).fetchone() is None:
+            return 0
+        for _ in range(rounds):
+            with transaction(conn):
+                runs = conn.execute(f"{due} {conn.sql['skip_locked']}", (now, chunk)).fetchall()
+                groups = {}
+                for run in runs:
+                    groups.setdefault((run["automation"], run["step"]), []).append(run["id"])
+                for (automation_id, index), run_ids in sorted(groups.items()):
+                    automation = conn.execute("SELECT * FROM automation WHERE id = ?",
+                                              (automation_id,)).fetchone()
+                    _run_step(conn, automation, index, run_ids, now, pending, templates_dir)
+            if pending:
+                _run_callbacks(on_event, pending)
+            done += len(runs)
+            if len(runs) < chunk and not conn.execute(due, (now, 1)).fetchone():
+                break
+        return done
+
+
+# Verify, statistics ---------------------------------------------------------------
+
+class _Automation(_Campaign):
+    """What verify's checks look at for an automation: its sender profile,
+    template and the messages of its send steps, as a campaign's."""
+
+    kind = "automation"
+
+    def __init__(self, conn, account, automation_id, templates_dir=""):  # a campaign's, without links
+        self.conn, self.id = conn, automation_id
+        self.path = f"/v1/automation/{automation_id}"
+        self.row = AUTOMATION.find(conn, account, automation_id)
+        self.read_sender(account, templates_dir)
+        self.steps = json.loads(self.row["steps"])
+        self.messages = _rows_by_id(conn, "message", [step["send"] for step in self.steps
+                                                      if "send" in step], account)
+        self.datasource = conn.execute("SELECT * FROM datasource WHERE id = ? AND owner = ?",
+                                       (self.row["datasource"], account)).fetchone()
+
+
+def _verify_automation_messages(c):
+    missing = [step["send"] for step in c.steps if "send" in step
+               and (step["send"] not in c.messages or c.messages[step["send"]]["deleted"])]
+    return [f"Message {m} of a send step is deleted: change the automation's steps with "
+            f"POST {c.path}." for m in missing], "Every send step's message is there."
+
+
+def _verify_automation_datasource(c):
+    return [] if c.datasource is not None and not c.datasource["deleted"] else [
+        f"Datasource {c.row['datasource']} is deleted: point the automation at another with "
+        f"POST {c.path}."], f"Datasource {c.row['datasource']} is there."
+
+
+def _verify_automation_merge_tags(c):
+    known = {"email", "unsubscribe_url", *_datasource_fields(c.conn, c.row["datasource"])}
+    problems = []
+    for message in c.messages.values():
+        unknown = sorted(set().union(_merge_tags(message["subject"]), *map(
+            _merge_tags, c.bodies(message).values())) - known)
+        if unknown:
+            problems.append(
+                f"{_label('message', message).capitalize()} uses "
+                f"{', '.join(f'{{{{{tag}}}}}' for tag in unknown)}, which datasource "
+                f"{c.row['datasource']} has no field for: add the field or correct the tag "
+                f"(POST /v1/message/{message['id']}).")
+    return problems, "Every merge tag names email, unsubscribe_url or a field of the datasource."
+
+
+def _verify_automation_trigger(c):
+    trigger = json.loads(c.row["trigger"])
+    if trigger["type"] != "date":
+        return [], f"The trigger is '{trigger['type']}'."
+    field = _datasource_fields(c.conn, c.row["datasource"]).get(trigger["field"].lower())
+    return [] if field is not None and field[2] == "date" else [
+        f"The date trigger's field '{trigger['field']}' is no longer a field of type date of "
+        f"datasource {c.row['datasource']}: change the trigger with POST {c.path}."
+    ], f"The date trigger's field '{trigger['field']}' has type date."
+
+
+#: Verify of an automation: its own checks, then the campaign checks that
+#: concern one email (they read the same attributes).
+_AUTOMATION_CHECKS = (
+    ("automation_datasource", _verify_automation_datasource),
+    ("automation_messages", _verify_automation_messages),
+    ("trigger_field", _verify_automation_trigger),
+    ("sender_profile", _verify_profile), ("sender_address", _verify_profile_address),
+    ("message_subject", _verify_subjects), ("message_from", _verify_from),
+    ("message_body", _verify_bodies), ("template_found", _verify_template_found),
+    ("template_content", _verify_template_content),
+    ("unsubscribe_link", _verify_unsubscribe_links),
+    ("merge_tags", _verify_automation_merge_tags), ("reply_to", _verify_reply_to),
+    ("header_line_breaks", _verify_header_line_breaks))
+
+
+def verify_automation(conn, account, automation_id, templates_dir=""):
+    """Check whether automation ``automation_id`` can be enabled; the verify
+    record ``{id, automation, passed, checks, verified}`` (as a campaign's).
+
+    :param account: the account that owns it (404 if not).
+    :param templates_dir: where template files named by defaulttemplate are.
+    """
+    return _Automation(conn, account, automation_id, templates_dir).report(_AUTOMATION_CHECKS)
+
+
+def _automation_verify_get(call, child_id):
+    if child_id not in (0, call.parent["id"]):
+        raise NotFound(f"Automation {call.parent['id']} has one verify, at "
+                       f"/automation/{call.parent['id']}/verify/0.")
+    return {"verify": verify_automation(call.conn, call.account, call.parent["id"],
+                                        call.service.config["templates_dir"])}
+
+
+#: The figures of each step in an automation's statistics.
+_STEP_FIGURES = ("sent", "failed", "bounced", "complained", "unsubscribed", "opened", "clicked")
+
+
+def _automation_statistics(conn, automation):
+    """The statistics record: its runs by status, and per step the figures of
+    the emails of its send steps (their prepared messages', all versions)."""
+    runs = dict(conn.execute("SELECT status, count(*) FROM automation_run WHERE automation = ? "
+                             "GROUP BY status", (automation["id"],)).fetchall())
+    steps = []
+    for index, step in enumerate(json.loads(automation["steps"])):
+        figures = dict.fromkeys(_STEP_FIGURES, 0)
+        if "send" in step:
+            scope = ("prepared IN (SELECT id FROM prepared WHERE account = ? AND scope = ?)",
+                     (automation["owner"], f"automation:{automation['id']}:{index}"))
+            sent, failed = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'sent'), count(*) FILTER (WHERE status = "
+                f"'failed') FROM outbox WHERE {scope[0]}", scope[1]).fetchone()
+            figures.update({name: count for name, count in _event_figures(
+                conn, scope[0], scope[1]).items() if name in figures}, sent=sent, failed=failed)
+        steps.append({"step": str(index), "kind": _step_kind(step),
+                      **{name: str(value) for name, value in figures.items()}})
+    return {"id": str(automation["id"]), "automation": str(automation["id"]),
+            **{status: str(runs.get(status, 0)) for status in ("finished", "stopped",
+                                                               "cancelled")},
+            "running": str(runs.get("waiting", 0)), "steps": steps}
+
+
+def _automation_page(conn, automation, record, title):
+    """The statistics as a page for a person: the archive page (the figures
+    of all its emails, their opens and clicks over time, its links), and a
+    table of the steps."""
+    scope = ("prepared IN (SELECT id FROM prepared WHERE account = ? AND scope LIKE ?)",
+             (automation["owner"], f"automation:{automation['id']}:%"))
+    totals = {name: sum(int(step[name]) for step in record["steps"]) for name in _STEP_FIGURES}
+    links = [{"url": url, "clicks": clicks, "clicked": clicked} for url, clicks, clicked in
+             conn.execute(
+                 "SELECT l.url, count(e.outbox), count(DISTINCT e.outbox) FROM prepared_link l "
+                 "LEFT JOIN event e ON e.prepared = l.prepared AND e.link = l.link "
+                 f"AND e.kind = 'click' WHERE l.{scope[0]} GROUP BY l.url ORDER BY 2 DESC, 1",
+                 scope[1])]
+    timeline = [{"hour": hour, "opens": opens, "clicks": clicks}
+                for hour, (opens, clicks) in _event_timeline(conn, *scope).items()]
+    page = _archive_page({**_event_figures(conn, *scope), **totals, "links": links,
+                          "timeline": timeline, "recipients": str(sum(int(record[name]) for name in (
+                              "running", "finished", "stopped", "cancelled")))}, title)
+    head = "".join(f'<th class="n" scope="col">{name.capitalize()}</th>' for name in _STEP_FIGURES)
+    rows = "".join(
+        f'<tr><td>{html.escape(step["step"])}</td><td>{html.escape(step["kind"])}</td>'
+        + "".join(f'<td class="n" data-step="{html.escape(step["step"])}" data-figure="{name}">'
+                  f'{html.escape(step[name])}</td>' for name in _STEP_FIGURES) + "</tr>"
+        for step in record["steps"])
+    runs = ", ".join(f"{record[name]} {name}" for name in ("running", "finished", "stopped",
+                                                           "cancelled"))
+    table = (f'<h2>Steps</h2><p class="runs">Runs: {html.escape(runs)}.</p><table><thead><tr>'
+             f'<th scope="col">Step</th><th scope="col">Kind</th>{head}</tr></thead>'
+             f'<tbody>{rows}</tbody></table>')
+    return page.replace("</main>", table + "</main>", 1)
+
+
+def _automation_archive_get(call, child_id):
+    if child_id not in (0, call.parent["id"]):
+        raise NotFound(f"Automation {call.parent['id']} has one archive, at "
+                       f"/automation/{call.parent['id']}/archive/0.")
+    record = _automation_statistics(call.conn, call.parent)
+    if _prefers_html(_request_header("Accept")):
+        return bottle.HTTPResponse(
+            _automation_page(call.conn, call.parent, record,
+                             f"{call.parent['name']}: what happened"), 200,
+            {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
+    return {"archive": record}
 
 
 # ---------------------------------------------------------------------------
@@ -9021,6 +9864,10 @@ def _sign_up(call, datasource, address, data):
     elif row["status"] == "unconfirmed" and not datasource["doubleoptin"]:
         conn.execute("UPDATE recipient SET status = 'active', confirm_sent = NULL, updated = ? "
                      "WHERE id = ?", (now, row["id"]))
+        # Double opt-in was turned off meanwhile: signing up again confirms.
+        emit(call.conn, account, "recipient.confirmed",
+             {"id": str(row["id"]), "datasource": str(datasource["id"]), "email": address},
+             call.events)
         _queue_welcome(call, datasource, row)
         return
     if row["status"] == "active" or not datasource["doubleoptin"]:
@@ -12346,6 +13193,15 @@ def _deliver_outbox(worker):
     return counts["sent"] + counts["failed"] + counts["retried"] > 0
 
 
+def _advance_automations(worker):
+    return advance_runs(worker.db, on_event=worker.on_event,
+                        templates_dir=worker.templates_dir) > 0
+
+
+def _automation_dates(worker):
+    return check_dates(worker.db, on_event=worker.on_event) > 0
+
+
 def _fetch_bounces(worker):
     try:
         process_bounce_mailbox(worker.db, **worker.bounce_mailbox)
@@ -12379,6 +13235,8 @@ _WORKER_STEPS = (
     _Step("webhooks", _deliver_events),
     _Step("delivery", _deliver_outbox, needs="smtp", every=_PRIORITY_LOOK),
     _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
+    _Step("automations", _advance_automations),
+    _Step("automations", _automation_dates),   # evaluated hourly; at once when enabled
 )
 
 
@@ -12483,6 +13341,14 @@ _RECORD_SCHEMAS = {
                               batches={"type": "array", "items": _REPORTED_BATCH},
                               reporturl={"type": "string", "format": "uri"},
                               **_STATISTICS_SCHEMAS),
+    "automationverify": _record_schema(
+        "id automation passed checks verified", passed=_FLAG_ANSWER,
+        checks={"type": "array", "items": {"$ref": "#/components/schemas/check"}}),
+    "automationarchive": _record_schema(
+        "id automation running finished stopped cancelled steps",
+        **dict.fromkeys(("running", "finished", "stopped", "cancelled"), _COUNT),
+        steps={"type": "array", "items": _record_schema(
+            "step kind " + " ".join(_STEP_FIGURES), **dict.fromkeys(_STEP_FIGURES, _COUNT))}),
 }
 
 #: Success data of a webhook's create: its id and its signing secret, shown once.
@@ -12551,9 +13417,10 @@ _PARAM_DOCS = {
 
 def _param_doc(route, name):
     """(description, example, extra schema) of a parameter of ``route``: its
-    record kind's, else _PARAM_DOCS'."""
+    record kind's (or that of the kind its path ends with), else _PARAM_DOCS'."""
     word = [word for word in route.path.split("/") if word and "{" not in word][-1]
-    doc = (route.kind.doc.get(name) if route.kind else None) \
+    kind = route.kind or Resource.kinds.get(word)   # a hand-written route of a kind's word
+    doc = (kind.doc.get(name) if kind else None) \
         or _PARAM_DOCS.get(f"{word}.{name}") or _PARAM_DOCS.get(name)
     if doc is None:     # tests/test_openapi.py asks for one; the document still serves
         return "", None, {}
@@ -13049,6 +13916,22 @@ ROUTES = [
     Route("GET",    "/transactional/{id:int|all}", "read", TRANSACTIONAL.get),
     Route("PUT",    "/transactional/{id}", "create", TRANSACTIONAL.create,
           summary="Send a transactional email"),
+    # Automations: steps each recipient walks in a run; verify, statistics
+    Route("GET",    "/automation/{id:int|all}", "read", AUTOMATION.get),
+    Route("PUT",    "/automation/{id}", "create", AUTOMATION.create),
+    Route("POST",   "/automation/{id}", "write",  AUTOMATION.change),
+    Route("DELETE", "/automation/{id}", "delete", AUTOMATION.delete),
+    Route("GET",    "/automation/{parent_id}/run/{child_id:int|all}", "read", _run_get,
+          RUN.params("get"), summary="Get run (one or all)", answers=("run", "run")),
+    Route("PUT",    "/automation/{parent_id}/run/{child_id}", "create", _run_start,
+          "recipient:int!", summary="Start a run for one recipient by hand", answers=_ANSWER_ID),
+    Route("DELETE", "/automation/{parent_id}/run/{child_id}", "delete", _run_cancel, "",
+          summary="Cancel a waiting run", answers=_ANSWER_DONE),
+    Route("GET",    "/automation/{parent_id}/verify/{child_id}", "read", _automation_verify_get,
+          answers=("verify", "automationverify")),
+    Route("GET",    "/automation/{parent_id}/archive/{child_id}", "read",
+          _automation_archive_get, summary="An automation's statistics",
+          answers=("archive", "automationarchive")),
 
     # Webhooks: stored events posted to services elsewhere, signed
     Route("GET",    "/webhook/{id:int|all}", "read", WEBHOOK.get),

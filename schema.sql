@@ -514,8 +514,9 @@ CREATE TABLE IF NOT EXISTS prepared_link (
     url      TEXT NOT NULL,
     PRIMARY KEY (prepared, link)
 ) WITHOUT ROWID;
--- The statistics of a prepared message, as event_batch for a batch.
-CREATE INDEX IF NOT EXISTS event_prepared ON event(prepared, kind, outbox, link, created)
+-- The statistics of a prepared message, as event_batch for a batch (it
+-- covers every column they count), and whether one of its emails was opened.
+CREATE INDEX IF NOT EXISTS event_prepared ON event(prepared, outbox, kind, link, created)
     WHERE prepared IS NOT NULL;
 CREATE INDEX IF NOT EXISTS outbox_prepared ON outbox(prepared, status) WHERE prepared IS NOT NULL;
 
@@ -591,3 +592,65 @@ CREATE TABLE IF NOT EXISTS send_day (
     sent        INTEGER NOT NULL DEFAULT 0,
     bulk        INTEGER NOT NULL DEFAULT 0
 );
+
+-- The emails of prepared messages a recipient got (an automation's
+-- continue_if looks whether the email of an earlier step was opened).
+CREATE INDEX IF NOT EXISTS outbox_prepared_recipient ON outbox(recipient, prepared)
+    WHERE prepared IS NOT NULL;
+
+-- Automations: a sequence of steps (JSON [{send|wait|continue_if|update}])
+-- that each recipient of a datasource walks on their own, in a run.
+-- trigger is JSON with "type" first ({"type":"subscribed"}, {"type":"date",
+-- ...}, {"type":"api"}); enabled_at: since when the subscribed trigger takes
+-- recipients; checked: when the date trigger was last evaluated; base_url:
+-- where the links of its emails point.
+CREATE TABLE IF NOT EXISTS automation (
+    id              INTEGER PRIMARY KEY,
+    owner           INTEGER NOT NULL REFERENCES account(id),
+    name            TEXT NOT NULL,
+    datasource      INTEGER NOT NULL,
+    trigger         TEXT NOT NULL,
+    steps           TEXT NOT NULL,
+    accountprofile  INTEGER NOT NULL,
+    defaulttemplate TEXT NOT NULL DEFAULT '',
+    tracking        INTEGER NOT NULL DEFAULT 0 CHECK (tracking IN (0, 1)),
+    enabled         INTEGER NOT NULL DEFAULT 0 CHECK (enabled IN (0, 1)),
+    base_url        TEXT NOT NULL DEFAULT '',
+    checked         TEXT,
+    created         TEXT NOT NULL DEFAULT (datetime('now')),
+    deleted         INTEGER NOT NULL DEFAULT 0 CHECK (deleted IN (0, 1))
+);
+CREATE INDEX IF NOT EXISTS automation_owner ON automation(owner, deleted);
+CREATE INDEX IF NOT EXISTS automation_datasource ON automation(datasource)
+    WHERE enabled = 1 AND deleted = 0;
+
+-- A recipient's walk through an automation: step is the index of the next
+-- step, due when it runs (waiting runs only); paused while the automation is
+-- disabled.  origin names why it started ('subscribed', 'date:YYYY-MM-DD',
+-- 'date:YYYY' for a yearly date, NULL by hand): once per recipient and origin.
+-- No foreign key on recipient: an erased recipient's run stops.
+CREATE TABLE IF NOT EXISTS automation_run (
+    id         INTEGER PRIMARY KEY,
+    automation INTEGER NOT NULL REFERENCES automation(id),
+    recipient  INTEGER NOT NULL,
+    step       INTEGER NOT NULL DEFAULT 0,
+    status     TEXT NOT NULL DEFAULT 'waiting'
+               CHECK (status = 'waiting' OR status = 'finished' OR status = 'stopped'
+                      OR status = 'cancelled'),
+    due        TEXT,
+    paused     INTEGER NOT NULL DEFAULT 0 CHECK (paused IN (0, 1)),
+    origin     TEXT,
+    started    TEXT NOT NULL,
+    finished   TEXT,
+    history    TEXT NOT NULL DEFAULT '[]'      -- JSON [{step, at, outcome}]
+);
+-- The worker's look for due runs reads this index alone: runs that are not
+-- due (or paused) cost nothing.
+CREATE INDEX IF NOT EXISTS automation_run_due ON automation_run(due)
+    WHERE status = 'waiting' AND paused = 0;
+CREATE INDEX IF NOT EXISTS automation_run_automation ON automation_run(automation, status);
+-- At most one waiting run per recipient and automation; one run per origin.
+CREATE UNIQUE INDEX IF NOT EXISTS automation_run_waiting ON automation_run(automation, recipient)
+    WHERE status = 'waiting';
+CREATE UNIQUE INDEX IF NOT EXISTS automation_run_once ON automation_run(automation, recipient, origin)
+    WHERE origin IS NOT NULL;

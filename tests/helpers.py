@@ -553,3 +553,28 @@ def open_url_in(html_text):
     CSS background (no image for spam filters to count)."""
     return re.search(r'(?:<img src="|background-image:url\()([^")]+/v1/open/[^")]+)',
                      html_text).group(1)
+
+
+# --- pages in the browser ----------------------------------------------------------------------
+
+def browse(page, url, headers=None, width=1000):
+    """Open ``url`` in the browser tab ``page`` (with ``headers``, at a
+    desktop ``width``); the response, checked to be an HTML page."""
+    if headers:
+        page.set_extra_http_headers(headers)
+    page.set_viewport_size({"width": width, "height": 800})
+    response = page.goto(url)
+    assert response.status == 200 and "text/html" in response.headers["content-type"]
+    return response
+
+
+def screenshot(page, name):
+    """Keep a full-page screenshot in tests/artifacts (not committed); its path."""
+    import pathlib
+
+    artifacts = pathlib.Path(__file__).parent / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / ".gitignore").write_text("*\n")
+    shot = artifacts / name
+    page.screenshot(path=str(shot), full_page=True)
+    return shot

@@ -165,10 +165,11 @@ def test_issue_targets_say_met_missed_or_not_measured():
     results = {"api": {"ratio": 0.7, "target_met": True},
                "during-import": {"rows": 100_000, "target_met": True},
                "tracking": {"error": "wrk failed"},
-               "import": {"rows": 1_000_000, "target_met": False}}
+               "import": {"rows": 1_000_000, "target_met": False},
+               "automations": {"rows": 20_000, "target_met": True}}
     assert bench.issue_targets(results) == {
         "import": "missed", "api": "met", "during-import": "not measured",
-        "scale": "not measured", "tracking": "missed"}
+        "scale": "not measured", "tracking": "missed", "automations": "not measured"}
 
 
 def test_default_runs_leave_scale_out_until_ten_million_rows():

@@ -25,6 +25,12 @@ NESTED = {
     ("POST", "/datasource/{parent_id}/recipient/{child_id}", "fields"): "a field by name",
     ("GET", "/campaign/{parent_id}/preview/{child_id}", "recipient"): "a recipient (id or address)",
     ("POST", "/campaign/{parent_id}/winner/{child_id}", "link"): "a link tested by the batch",
+    ("PUT", "/automation/{id}", "steps"): "steps[].send: a message",
+    ("POST", "/automation/{id}", "steps"): "steps[].send: a message",
+    ("PUT", "/automation/{id}", "trigger"): "trigger.field: a field of its datasource",
+    ("POST", "/automation/{id}", "trigger"): "trigger.field: a field of its datasource",
+    ("PUT", "/automation/{parent_id}/run/{child_id}", "recipient"): "a recipient of its datasource",
+    ("GET", "/automation/{parent_id}/run/{child_id:int|all}", "recipient"): "a listing's filter",
 }
 
 #: Parameters of a type that could hold an id (or named like a kind) that name no record.
@@ -93,6 +99,12 @@ def world(client, auth, other, db):
                                  timestamp="2000-01-01 00:00:00")["id"]
     mine["recipient"] = mine_api.get(f"/datasource/{mine['datasource']}/recipient/all")[
         "recipient"][0]["id"]
+    mine["automation"] = mine_api.put(
+        "/automation/0", name="a", datasource=int(mine["datasource"]), trigger={"type": "api"},
+        accountprofile=int(mine["profile"]), steps=[{"send": int(mine["message"])}],
+        enabled="1")["id"]
+    mine["run"] = mine_api.put(f"/automation/{mine['automation']}/run/0",
+                               recipient=int(mine["recipient"]))["id"]
     return {"mine": children(mine_api, mine), "theirs": children(theirs_api, theirs),
             "other": other}
 
@@ -149,15 +161,20 @@ def base_body(route, mine):
         ("PUT", "/transactional/{id}"): {"to": "ann@example.com", "message": ints["message"]},
         ("POST", "/campaign/{parent_id}/winner/{child_id}"): {
             "link": ints["link"], "message": ints["message"]},
+        ("PUT", "/automation/{id}"): {
+            "name": "x", "datasource": ints["datasource"], "trigger": {"type": "api"},
+            "steps": [{"send": ints["message"]}], "accountprofile": ints["profile"]},
     }.get((route.method, route.path), {})
 
 
 def values_of(route, name, theirs):
     """``[(another account's value, an unknown value)]`` for parameter ``name``."""
-    if name in ("conditions", "fields"):
+    if name in ("conditions", "fields", "trigger"):
         return [("secret", "nosuchfield")]
     if name == "link":
         return [(int(theirs["link"]), UNKNOWN)]
+    if name == "steps":
+        return [(int(theirs["message"]), UNKNOWN)]
     if name == "recipient":
         return [(int(theirs["recipient"]), UNKNOWN),
                 ("only.theirs@their.example", "nobody@nowhere.example")]
@@ -177,6 +194,10 @@ def given(name, value):
         return [{"field": value, "op": "eq", "value": "x"}]
     if name == "fields":
         return {value: "x"}
+    if name == "steps":
+        return [{"send": value}]
+    if name == "trigger":
+        return {"type": "date", "field": value, "days": 0}
     return value
 
 

@@ -100,6 +100,8 @@ VALID = {
     ("POST", "/template/{id}"): {"name": "x"}, ("DELETE", "/template/{id}"): {"id": 1},
     ("POST", "/bounce"): {"email": "ann@example.com", "type": "hard", "campaign": 1},
     ("POST", "/campaign/{parent_id}/winner/{child_id}"): {"link": 1, "message": 1},
+    ("POST", "/automation/{id}"): {"name": "x"},
+    ("PUT", "/automation/{parent_id}/run/{child_id}"): {"recipient": 1},
 }
 
 #: A public address literal: valid without webhook_allow_private, no DNS, never called here.
@@ -116,6 +118,9 @@ def world(api, db):
     ids["webhook"] = api.put("/webhook/0", url=WEBHOOK_URL)["id"]
     ids["transactional"] = api.put("/transactional/0", to="ann@example.com",
                                    message=int(ids["message"]))["id"]
+    ids["automation"] = api.put("/automation/0", name="a", datasource=1, accountprofile=1,
+                                trigger={"type": "api"}, steps=[{"send": 1}], enabled="1")["id"]
+    ids["run"] = api.put("/automation/1/run/0", recipient=1)["id"]
     campaignapi.process_due(db)
     assert set(ids.values()) == {"1"}
     return ids
@@ -163,6 +168,12 @@ def test_create_at_another_accounts_id_is_409_and_changes_nothing(client, other,
     if "transactional" in route.path:   # an email of their own message
         params = {"to": "a@example.org", "message": int(Api(client, other).put(
             "/message/0", name="x", subject="s", text="t")["id"])}
+    if "automation" in route.path:   # what it names must be the stranger's own
+        own = Api(client, other)
+        params.update(datasource=int(own.put("/datasource/0", name="d")["id"]),
+                      accountprofile=int(own.put("/accountprofile/0", name="p")["id"]),
+                      steps=[{"send": int(own.put("/message/0", name="m")["id"])}],
+                      trigger={"type": "api"})
     before = snapshot(db)
     response = send(client, route.method, filled(route), other, params)
     assert_clean_error(response, 409, "conflict")

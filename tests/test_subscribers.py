@@ -73,6 +73,11 @@ def test_a_subscriber_sees_every_kind_of_event_in_its_transaction(
     ds = ids["datasource"]
     api.put(f"/datasource/{ds}/recipient/0", email="cat@example.com")   # recipient.subscribed
     cat = str(scalar(db, "SELECT id FROM recipient WHERE email = 'cat@example.com'"))
+    automation = api.put("/automation/0", name="by hand", datasource=int(ds),
+                         trigger={"type": "api"}, accountprofile=int(ids["profile"]),
+                         steps=[{"send": int(ids["message"])}], enabled="1")["id"]
+    run = api.put(f"/automation/{automation}/run/0", recipient=int(cat))["id"]   # started
+    api.delete(f"/automation/{automation}/run/{run}")                          # finished
     api.call("POST", f"/datasource/{ds}/recipient/{cat}", {"status": "unsubscribed"})
     api.post("/bounce", email="ann@example.com", type="hard")
     api.post("/bounce", email="bob@example.com", type="complaint")
@@ -103,7 +108,7 @@ def test_a_subscriber_sees_every_kind_of_event_in_its_transaction(
     campaignapi.deliver(db, smtp_sink.address)
     campaignapi.process_due(db)                     # batch.sent
     kinds = ["import.finished", "export.finished", "recipient.subscribed",
-             "recipient.unsubscribed", "recipient.bounced", "recipient.complained",
+             "automation.started", "automation.finished", "recipient.unsubscribed", "recipient.bounced", "recipient.complained",
              "recipient.subscribed", "recipient.confirmed", "batch.started", "batch.sent"]
     assert sorted(set(kinds)) == sorted(campaignapi.EVENT_KINDS)
     assert [kind for kind, _, _ in writes] == kinds

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import campaignapi
-from helpers import (account_id, b64, database, http, import_csv, later, make_datasource,
-                     open_url_in, scalar)
+from helpers import (account_id, b64, browse, database, http, import_csv, later,
+                     make_datasource, open_url_in, scalar, screenshot)
 
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 
@@ -363,20 +363,13 @@ def test_a_browser_sees_the_archive_as_a_page_with_the_chart(client, db, api, au
     path = f"/v1/campaign/{sent['campaign']}/archive/{sent['campaign']}"
     # A JSON client still gets the record.
     assert client.get(path, headers=auth).json["data"]["archive"]["opens"] == "1"
-    page.set_extra_http_headers(auth)
-    page.set_viewport_size({"width": 1000, "height": 800})
-    response = page.goto(live_server + path)
-    assert response.status == 200 and "text/html" in response.headers["content-type"]
+    browse(page, live_server + path, auth)
     assert page.locator("h1").inner_text() == "Winter sale: what happened"
     assert page.locator('[data-figure="sent"]').inner_text() == "3"
     assert page.locator('[data-figure="clicks"]').inner_text() == "2"
     assert page.locator("svg rect.opens").count() >= 2 and page.locator("svg").is_visible()
     assert "https://blog.example/post" in page.locator("td.url").all_inner_texts()
-    ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / ".gitignore").write_text("*\n")
-    shot = ARTIFACTS / "tracking-archive.png"
-    page.screenshot(path=str(shot), full_page=True)
-    assert shot.stat().st_size > 10_000
+    assert screenshot(page, "tracking-archive.png").stat().st_size > 10_000
 
 
 def test_unsubscribe_pages_in_the_real_browser(live_server, sent, page):
