@@ -105,7 +105,8 @@ def test_an_import_that_fails_after_a_commit_is_failed_with_what_it_stored(
     of the chunks committed; the answer is the error."""
     ds = make_datasource(api)
     # internal: make a write of the import fail halfway, as a lost connection would
-    flush, calls = campaignapi._Importer.flush, []
+    importer = campaignapi._Importer
+    flush, calls = importer.flush, []
 
     def failing(self):
         calls.append(len(self.pending))
@@ -113,7 +114,7 @@ def test_an_import_that_fails_after_a_commit_is_failed_with_what_it_stored(
             raise RuntimeError("the database went away")
         return flush(self)
 
-    monkeypatch.setattr(campaignapi._Importer, "flush", failing)
+    monkeypatch.setattr(importer, "flush", failing)
     # internal: read in this process, so the failing flush is the one that runs
     monkeypatch.setattr(campaignapi, "_CHILD_READS_BYTES", 1 << 40)
     api.put(f"/datasource/{ds}/import/0", status=500, name="x", originalfile="x.csv",
@@ -125,7 +126,7 @@ def test_an_import_that_fails_after_a_commit_is_failed_with_what_it_stored(
     # No notification for an import that did not finish.
     assert scalar(db, "SELECT count(*) FROM outbox") == 0
     # Importing the same data again completes it (an upsert).
-    monkeypatch.setattr(campaignapi._Importer, "flush", flush)
+    monkeypatch.setattr(importer, "flush", flush)
     again = api.put(f"/datasource/{ds}/import/0", name="again", originalfile="x.csv",
                     __uploadtype__="csv", __uploaddata__=people(ROWS))["id"]
     record = api.get(f"/datasource/{ds}/import/{again}")["import"]
