@@ -138,7 +138,7 @@ DEFAULT_CONFIG = {
     "on_event": None,
 }
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 11
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: Only 'active' recipients receive campaigns.
@@ -1156,7 +1156,8 @@ def _pg_schema(script):
     identity never hands out an id twice either), a ``TEXT`` column whose line
     says ``COLLATE NOCASE`` citext (in a database with the C ctype it folds
     ASCII only, like NOCASE), ``WITHOUT ROWID`` goes, ``datetime('now')``
-    becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
+    becomes SQL["postgresql"]["now"], SQL["sqlite"]["non_ascii"] of email
+    (a partial index's predicate) its PostgreSQL spelling.  JSON stays TEXT: the stored text is
     the same on both engines and the spellings cast it to jsonb where read.
     The foreign keys of _PG_STATEMENT_KEYS become triggers run once a
     statement, the indexes of _PG_INDEX_METHODS take their method.
@@ -1185,6 +1186,8 @@ def _pg_schema(script):
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
         line = line.replace("datetime('now')", _SQL["postgresql"]["now"])
+        line = line.replace(_SQL["sqlite"]["non_ascii"].format(expr="email"),
+                            _SQL["postgresql"]["non_ascii"].format(expr="email"))
         lines.append(line)
     for table in tables:
         lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
@@ -6242,17 +6245,10 @@ def _segment_size(conn, segment):
     datasources counts once.  Counted by the database, never loaded into
     Python; within one datasource an address is unique already (the unique
     index folds case like lower() does), so there a plain count(*) serves."""
-    where, params, counted = _segment_counting(conn, segment)
-    return conn.execute(f"SELECT count({counted}) FROM recipient r WHERE {where}",
-                        params).fetchone()[0]
-
-
-def _segment_counting(conn, segment):
-    """``(where, params, what count() counts)`` for a segment's addresses
-    (see _segment_size)."""
     where, params = _segment_query(conn, segment)
     many = len(json.loads(segment["datasources"])) > 1
-    return where, params, "DISTINCT lower(r.email)" if many else "*"
+    return conn.execute(f"SELECT {'count(DISTINCT lower(r.email))' if many else 'count(*)'} "
+                        f"FROM recipient r WHERE {where}", params).fetchone()[0]
 
 
 def _segment_record(call, row):
@@ -6564,21 +6560,6 @@ class _Campaign:
                                     account)
         self.segments = _rows_by_id(conn, "segment", [link["segment"] for link in self.links],
                                     account)
-        self.audiences = {}
-
-    def audience(self, segment):
-        """``(size, addresses with non-ASCII characters, one of them)`` of a
-        segment, counted by one pass over its recipients: verify's checks of
-        sizes and of such addresses share it (two passes were most of
-        verify's time on a big list)."""
-        if segment["id"] not in self.audiences:
-            where, params, counted = _segment_counting(self.conn, segment)
-            odd = self.conn.sql["non_ascii"].format(expr="r.email")
-            self.audiences[segment["id"]] = tuple(self.conn.execute(
-                f"SELECT count({counted}), count({counted}) FILTER (WHERE {odd}), "
-                f"min(r.email) FILTER (WHERE {odd}) FROM recipient r WHERE {where}",
-                params).fetchone())
-        return self.audiences[segment["id"]]
 
     def bodies(self, message):
         """``{"html", "text"}`` of a message as it is sent: inside the template
@@ -6749,7 +6730,7 @@ def _verify_merge_tags(c):
 
 @_verify_check("segment_recipients")
 def _verify_segment_sizes(c):
-    sizes = {s["id"]: c.audience(s)[0] for s in c.segments.values()}
+    sizes = {s["id"]: _segment_size(c.conn, s) for s in c.segments.values()}
     return [f"{_label('segment', s).capitalize()} has no active recipients: import recipients "
             "into its datasources or loosen its conditions." for s in c.segments.values()
             if not sizes[s["id"]]], "Every segment has active recipients (" + ", ".join(
@@ -6788,7 +6769,10 @@ def _verify_non_ascii(c):
     depends on the relay (SMTPUTF8), which is known only when sending."""
     notes = []
     for segment in c.segments.values():
-        _, count, example = c.audience(segment)
+        where, params = _segment_query(c.conn, segment)
+        count, example = c.conn.execute(
+            f"SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r WHERE {where} "
+            f"AND {c.conn.sql['non_ascii'].format(expr='r.email')}", params).fetchone()
         if count:
             notes.append(f"{_label('segment', segment).capitalize()} holds {count} address(es) "
                          f"with non-ASCII characters (such as {example}).")
