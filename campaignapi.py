@@ -10463,6 +10463,11 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
         (``imap``, ``user``, ``password``, ...): the mailbox is read every
         _MAILBOX_INTERVAL seconds.
     """
+    conn = connect(db)
+    try:
+        _fail_interrupted_imports(conn)   # a start: imports a process died in
+    finally:
+        conn.close()
     worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
                      templates_dir, bounce_mailbox, delivery)
     lanes = {}   # thread name -> its steps, in the order of _WORKER_STEPS

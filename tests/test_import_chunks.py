@@ -187,3 +187,32 @@ def test_writers_of_one_process_take_turns_with_a_chunked_writer(db, app):
         thread.join(30)
     assert waited and waited[0] < 2, waited
     assert scalar(db, "SELECT value FROM setting WHERE name = 'turns'") == "1"
+
+
+@pytest.mark.parametrize("start", ["app", "worker"])
+def test_a_start_marks_a_running_import_that_no_process_runs_failed(db, api, start):
+    """A 'running' record that no process holds (its process died) is
+    'failed' after the next start of an app or a worker; its rows stay."""
+    ds = make_datasource(api)
+    done = api.put(f"/datasource/{ds}/import/0", name="x", originalfile="x.csv",
+                   __uploadtype__="csv", __uploaddata__=people(3))["id"]
+    with database(db) as conn, campaignapi.transaction(conn):
+        # What a killed import leaves: its last commit said 'running'.
+        conn.execute("UPDATE import SET status = 'running', finished = NULL WHERE id = ?",
+                     (int(done),))
+    if start == "app":
+        campaignapi.create_app(db)
+    else:
+        stop = threading.Event()
+        stop.set()
+        worker = threading.Thread(target=campaignapi.run_worker, args=(db, stop))
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive()
+    record = api.get(f"/datasource/{ds}/import/{done}")["import"]
+    assert (record["status"], record["inserted"]) == ("failed", "3")
+    assert record["finished"] is not None
+    assert api.get(f"/datasource/{ds}")["datasource"]["recipients"] == "3"
+    # Now it can go, with the recipients it inserted.
+    api.delete(f"/datasource/{ds}/import/{done}", id=int(done))
+    assert api.get(f"/datasource/{ds}")["datasource"]["recipients"] == "0"
