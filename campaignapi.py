@@ -454,8 +454,10 @@ def _next_chunk(conn):
     chunk, and what was committed stays if the process dies later."""
     conn.execute("COMMIT")
     conn.give_turn()
-    conn.take_turn()
-    conn.execute(conn.sql["begin"])
+    try:
+        conn.take_turn()
+    finally:   # in a transaction again either way, for transaction() to end
+        conn.execute(conn.sql["begin"])
 
 
 class _WriteTurns:
@@ -5219,8 +5221,9 @@ class _Importer:
             return
         if self.since and self.since + rows > _COMMIT_ROWS:
             self.writes.finish()   # the figures final for what is written
+            self.committed = True     # (at worst nothing was: then no record is failed)
             self.commit(self)
-            self.committed, self.since = True, 0
+            self.since = 0
         self.since += rows
 
     @property
@@ -5789,12 +5792,18 @@ def _import_create(call, child_id):
             _notify_import(call, datasource, row)
     except BaseException:
         if importer is not None and importer.committed:   # what it stored stays
-            with transaction(conn):
-                _fail_imports(conn, [import_id])
+            try:
+                with transaction(conn):
+                    _fail_imports(conn, [import_id])
+            except Exception:   # (a lost connection) the next start marks it
+                _log.exception("import %s stopped and could not be marked failed", import_id)
         raise
     finally:
         if import_id is not None:
-            conn.release_import(import_id)
+            try:
+                conn.release_import(import_id)
+            except Exception:   # a lost PostgreSQL session let its lock go already
+                _log.exception("import %s: its running mark could not be taken off", import_id)
     return {"id": str(import_id)}
 
 
