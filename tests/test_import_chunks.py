@@ -216,3 +216,37 @@ def test_a_start_marks_a_running_import_that_no_process_runs_failed(db, api, sta
     # Now it can go, with the recipients it inserted.
     api.delete(f"/datasource/{ds}/import/{done}", id=int(done))
     assert api.get(f"/datasource/{ds}")["datasource"]["recipients"] == "0"
+
+
+def test_small_chunks_and_commits_count_every_row_once(db, api, monkeypatch):
+    """Many commits, each after a few chunks, through every write path (on
+    PostgreSQL the streamed COPY with repeats across commits, then the
+    staging table): the figures and the rows are those of one transaction."""
+    # internal: a chunk every 50 rows and a commit every 120, so a thousand rows make many
+    monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 50)
+    monkeypatch.setattr(campaignapi, "_COMMIT_ROWS", 120)
+    # internal: a COPY segment every 120 rows (PostgreSQL), as commits end them anyway
+    monkeypatch.setattr(campaignapi._CopyStream, "SEGMENT_ROWS", 120)
+    ds = make_datasource(api)
+    # 1,000 rows, every tenth an address of an earlier row in another case.
+    rows = [f"P{i - 37}@example.com,again{i}" if i % 10 == 9 and i > 40 else f"p{i}@example.com,P{i}"
+            for i in range(1000)]
+    first = api.put(f"/datasource/{ds}/import/0", name="a", originalfile="a.csv",
+                    __uploadtype__="csv", __uploaddata__="email,first\n" + "\n".join(rows))["id"]
+    record = api.get(f"/datasource/{ds}/import/{first}")["import"]
+    distinct = {row.split(",")[0].lower() for row in rows}
+    assert (record["status"], record["rows"], record["inserted"], record["updated"]) == \
+        ("finished", "1000", str(len(distinct)), "0")
+    assert api.get(f"/datasource/{ds}")["datasource"]["recipients"] == str(len(distinct))
+    assert scalar(db, "SELECT count(*) FROM recipient WHERE data LIKE '%again%'") == \
+        sum(1 for i in range(41, 1000) if i % 10 == 9)
+    # Again, half known and half new: known ones updated once each, in any chunk.
+    more = [f"p{i}@example.com,Q{i}" for i in range(500, 1500)]
+    second = api.put(f"/datasource/{ds}/import/0", name="b", originalfile="b.csv",
+                     __uploadtype__="csv", __uploaddata__="email,first\n" + "\n".join(more))["id"]
+    record = api.get(f"/datasource/{ds}/import/{second}")["import"]
+    known = len({f"p{i}@example.com" for i in range(500, 1500)} & distinct)
+    assert (record["status"], record["inserted"], record["updated"]) == \
+        ("finished", str(1000 - known), str(known))
+    assert api.get(f"/datasource/{ds}")["datasource"]["recipients"] == \
+        str(len(distinct) + 1000 - known)
