@@ -224,6 +224,7 @@ def test_small_chunks_and_commits_count_every_row_once(db, api, monkeypatch):
     staging table): the figures and the rows are those of one transaction."""
     # internal: a chunk every 50 rows and a commit every 120, so a thousand rows make many
     monkeypatch.setattr(campaignapi, "_CHUNK_ROWS", 50)
+    # internal: and a commit every 120 rows instead of 50,000
     monkeypatch.setattr(campaignapi, "_COMMIT_ROWS", 120)
     # internal: a COPY segment every 120 rows (PostgreSQL), as commits end them anyway
     monkeypatch.setattr(campaignapi._CopyStream, "SEGMENT_ROWS", 120)
