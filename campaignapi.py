@@ -161,7 +161,7 @@ DEFAULT_CONFIG = {
     "metrics_token": "",
 }
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 LEVELS = ("read", "write", "create", "delete")
 FIELD_TYPES = ("text", "integer", "number", "boolean", "date", "datetime", "email")
 #: The languages of a datasource's public pages and built-in emails (its ``language``).
@@ -443,6 +443,7 @@ def connect(db):
     conn = sqlite3.connect(db, timeout=30, isolation_level=None, check_same_thread=False,
                            factory=_SqliteConnection)
     try:
+        conn.turns, conn.claims = _turns_of(db), _claims_of(db)
         conn.row_factory = sqlite3.Row
         for name, value in _PRAGMAS:
             _pragma(conn, name, value)
@@ -487,13 +488,150 @@ def transaction(conn):
             raise
         conn.execute(f"RELEASE {name}")
         return
-    conn.execute(conn.sql["begin"])
+    conn.take_turn()
     try:
-        yield conn
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+        conn.execute(conn.sql["begin"])
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+    finally:
+        conn.give_turn()
+
+
+def _next_chunk(conn):
+    """Inside transaction(), in a long write made of chunks (an import):
+    commit what is done, let this process's writers that came meanwhile have
+    their turns, and begin again.  No other writer waits for more than one
+    chunk, and what was committed stays if the process dies later."""
     conn.execute("COMMIT")
+    conn.give_turn()
+    try:
+        conn.take_turn()
+    finally:   # in a transaction again either way, for transaction() to end
+        conn.execute(conn.sql["begin"])
+
+
+class _WriteTurns:
+    """The writers of one SQLite database in this process, in the order they
+    came.  SQLite's busy handler retries a waiting writer after sleeps that
+    grow to 100 ms, so a writer that commits and begins again at once (an
+    import, chunk after chunk) would always win the lock back; here a writer
+    waiting in this process gets it first.  A thread takes one turn at a
+    time (a second connection of the same thread goes to SQLite's busy
+    handler, as before), and waits at most its connection's busy timeout.
+    """
+
+    def __init__(self):
+        self.lock, self.queue, self.holder = threading.Lock(), collections.deque(), None
+
+    def take(self, timeout):
+        """Take the turn; False when this thread holds it already (nothing taken)."""
+        me = threading.get_ident()
+        with self.lock:
+            if self.holder is None:
+                self.holder = me
+                return True
+            if self.holder == me:
+                return False
+            granted = threading.Event()
+            self.queue.append((me, granted))
+        if granted.wait(timeout):
+            return True
+        with self.lock:
+            if granted.is_set():   # handed over as the wait ended
+                return True
+            self.queue.remove((me, granted))
+        raise sqlite3.OperationalError("database is locked (waited for this process's "
+                                       "other writers)")
+
+    def give(self):
+        with self.lock:
+            if self.queue:
+                self.holder, granted = self.queue.popleft()
+                granted.set()
+            else:
+                self.holder = None
+
+
+#: The write turns of each SQLite database file this process opened.
+_write_turns = {}
+_write_turns_lock = threading.Lock()
+
+
+class _ImportClaims:
+    """The imports running in this process over one SQLite database file,
+    each holding a lock on its byte of ``<db>.imports`` (fcntl's record
+    locks, which the system lets go when the process dies): an import still
+    'running' whose byte no process holds was interrupted (see
+    _fail_interrupted_imports).  Record locks belong to the process, so the
+    ids it holds are also kept here (its own locks never stop it), and the
+    file stays open for the process's life (closing any descriptor of it
+    would let every lock go)."""
+
+    def __init__(self, path):
+        self.path, self.lock, self.held, self.fd = path, threading.Lock(), set(), None
+
+    def _lock(self, import_id, mode):
+        """fcntl.lockf() of the import's byte; True where it was done."""
+        try:
+            import fcntl
+        except ImportError:   # no record locks (Windows): only this process's own are known
+            return mode == "test"
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        command = {"hold": fcntl.LOCK_EX | fcntl.LOCK_NB, "test": fcntl.LOCK_EX | fcntl.LOCK_NB,
+                   "free": fcntl.LOCK_UN}[mode]
+        try:
+            fcntl.lockf(self.fd, command, 1, int(import_id))
+        except OSError:
+            return False
+        return True
+
+    def claim(self, import_id):
+        with self.lock:
+            self.held.add(import_id)
+            if self.path is not None:
+                self._lock(import_id, "hold")
+
+    def release(self, import_id):
+        with self.lock:
+            self.held.discard(import_id)
+            if self.path is not None:
+                self._lock(import_id, "free")
+
+    def orphaned(self, import_id):
+        """Whether no process runs the import ``import_id`` any more."""
+        with self.lock:
+            if import_id in self.held:
+                return False
+            if self.path is None or not self._lock(import_id, "test"):
+                return self.path is None
+            self._lock(import_id, "free")
+            return True
+
+
+_import_claims = {}
+
+
+def _turns_of(db):
+    """The _WriteTurns of the SQLite database ``db`` (one per file)."""
+    if db in ("", ":memory:") or str(db).startswith("file:"):
+        return _WriteTurns()   # a database of its own connection
+    path = os.path.realpath(db)
+    with _write_turns_lock:
+        return _write_turns.setdefault(path, _WriteTurns())
+
+
+def _claims_of(db):
+    """The _ImportClaims of the SQLite database ``db`` (one per file)."""
+    if db in ("", ":memory:") or str(db).startswith("file:"):
+        return _ImportClaims(None)
+    path = os.path.realpath(db)
+    with _write_turns_lock:
+        return _import_claims.setdefault(path, _ImportClaims(path + ".imports"))
 
 
 class _SqliteConnection(sqlite3.Connection):
@@ -505,6 +643,32 @@ class _SqliteConnection(sqlite3.Connection):
     #: process writes (_ChildReader): SQLite writes in this process, and only
     #: a second process overlaps the reading (Python, under the GIL) with it.
     forks_reader = hasattr(os, "fork")
+    #: This process's writers of the database (_WriteTurns; connect() sets
+    #: it), and how long one waits for its turn (seconds, as busy_timeout).
+    turns, turn_wait, _turn_taken = None, 30.0, False
+
+    def take_turn(self):
+        """Before BEGIN IMMEDIATE: wait for the writers of this process that came first."""
+        if self.turns is not None:
+            self._turn_taken = self.turns.take(self.turn_wait)
+
+    def give_turn(self):
+        """After COMMIT or ROLLBACK: the next writer of this process goes."""
+        if self._turn_taken:
+            self._turn_taken = False
+            self.turns.give()
+
+    def claim_import(self, import_id):
+        """Mark the import as running in this process until release_import()
+        (or the process's end): _ImportClaims."""
+        self.claims.claim(import_id)
+
+    def release_import(self, import_id):
+        self.claims.release(import_id)
+
+    def import_orphaned(self, import_id):
+        """Whether the 'running' import ``import_id`` has no process any more."""
+        return self.claims.orphaned(import_id)
 
     def import_writes(self, importer):
         """How an import's chunks reach recipient here: _SqliteImportWrites."""
@@ -824,6 +988,32 @@ class _PgConnection:
         # else, since nothing else can run while it is open.
         self.copying = None
 
+    #: The advisory lock of a running import: this plus its id (ids are
+    #: below 2**53), held by the importing session, which the server lets go
+    #: when the session ends (its process died, on any host).
+    _IMPORT_LOCK = 1 << 62
+
+    def claim_import(self, import_id):
+        """Mark the import as running until release_import(): a session lock."""
+        self.execute("SELECT pg_advisory_lock(?)", (self._IMPORT_LOCK + import_id,))
+
+    def release_import(self, import_id):
+        self.execute("SELECT pg_advisory_unlock(?)", (self._IMPORT_LOCK + import_id,))
+
+    def import_orphaned(self, import_id):
+        """Whether the 'running' import ``import_id`` has no session any more."""
+        key = self._IMPORT_LOCK + import_id
+        if not self.execute("SELECT pg_try_advisory_lock(?)", (key,)).fetchone()[0]:
+            return False
+        self.execute("SELECT pg_advisory_unlock(?)", (key,))
+        return True
+
+    def take_turn(self):
+        """Writers take turns by row locks here: nothing to wait for in this process."""
+
+    def give_turn(self):
+        """See take_turn()."""
+
     def _settle(self, sql):
         if self.copying is not None:
             self.copying(rollback=sql.lstrip()[:8].upper() == "ROLLBACK")
@@ -1022,7 +1212,8 @@ def _pg_schema(script):
     identity never hands out an id twice either), a ``TEXT`` column whose line
     says ``COLLATE NOCASE`` citext (in a database with the C ctype it folds
     ASCII only, like NOCASE), ``WITHOUT ROWID`` goes, ``datetime('now')``
-    becomes SQL["postgresql"]["now"].  JSON stays TEXT: the stored text is
+    becomes SQL["postgresql"]["now"], SQL["sqlite"]["non_ascii"] of email
+    (a partial index's predicate) its PostgreSQL spelling.  JSON stays TEXT: the stored text is
     the same on both engines and the spellings cast it to jsonb where read.
     The foreign keys of _PG_STATEMENT_KEYS become triggers run once a
     statement, the indexes of _PG_INDEX_METHODS take their method.
@@ -1051,6 +1242,8 @@ def _pg_schema(script):
         line = re.sub(r"\bINTEGER\b", "BIGINT", line)
         line = line.replace(") WITHOUT ROWID;", ");").replace(" AUTOINCREMENT", "")
         line = line.replace("datetime('now')", _SQL["postgresql"]["now"])
+        line = line.replace(_SQL["sqlite"]["non_ascii"].format(expr="email"),
+                            _SQL["postgresql"]["non_ascii"].format(expr="email"))
         lines.append(line)
     for table in tables:
         lines.append(_pg_statement_trigger(f"{table}_id_past", "INSERT", table,
@@ -1353,6 +1546,9 @@ def _shift(moment_text, seconds):
 
 #: Rows read, checked and written per executemany (imports, retypes).
 _CHUNK_ROWS = 5000
+#: At most this many rows an import commits at once (API.md section 5): no
+#: other writer waits for more than that (_Importer.turn()).
+_COMMIT_ROWS = 50_000
 
 _ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -1482,8 +1678,8 @@ class _SqliteImportWrites:
         conn.executemany("UPDATE recipient SET updated = ?, data = "
                          f"{conn.sql['json_merge'].format(json='data', patch='?')} WHERE id = ?",
                          updates)
-        if importer.erased is not None and inserted:
-            importer.erased(conn, [address for address in json.loads(chunk) if address not in known])
+        if importer.hears_added and inserted:
+            importer.added([address for address in json.loads(chunk) if address not in known])
 
     def finish(self):
         """Nothing is left open between chunks."""
@@ -1526,15 +1722,17 @@ class _PgImportWrites:
                 f"{_data_json(keys, values).translate(_COPY_TEXT)}\t"
                 f"{_data_json(keys, values, blank='null').translate(_COPY_TEXT)}\n"
                 for number, (address, keys, values) in enumerate(pending.values())]))
-        inserted = conn.execute(
+        added = conn.execute(
             "WITH added AS (INSERT INTO recipient (datasource, email, import, created, updated, "
             "data) SELECT ?, s.email, ?, ?, ?, s.data FROM pg_temp.import_rows s "
             "ORDER BY s.n ON CONFLICT (datasource, email) DO NOTHING RETURNING email) "
-            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email",
-            (importer.datasource, importer.import_id, now, now)).rowcount
+            "DELETE FROM pg_temp.import_rows s USING added a WHERE s.email = a.email"
+            + (" RETURNING CAST(s.email AS text)" if importer.hears_added else ""),
+            (importer.datasource, importer.import_id, now, now))
+        inserted = added.rowcount
         importer.inserted += inserted
-        if importer.erased is not None:   # an erased address comes back unsubscribed
-            importer.erased(conn, [address for address, _, _ in pending.values()])
+        if importer.hears_added and inserted:
+            importer.added([row[0] for row in added.fetchall()])
         if inserted == len(pending):
             return
         # Each known address's id, by one probe of the unique index a row.  A
@@ -1668,9 +1866,9 @@ class _CopyStream:
                 for chunk in chunks:   # every address of a chunk before its repeats
                     self.writes.stage(chunk)
             else:
-                if importer.erased is not None:   # an erased address comes back unsubscribed
-                    importer.erased(conn, [address for chunk in chunks
-                                           for address, _, _ in chunk.values()])
+                if importer.hears_added:
+                    importer.added([address for chunk in chunks
+                                    for address, _, _ in chunk.values()])
             conn.execute("RELEASE SAVEPOINT import_stream")
         if repeats:
             self.writes.stage(repeats)
@@ -1706,6 +1904,7 @@ class _SqliteIntake:
         if quick is None:
             quick = self.local.quick = connect(self.db)
             quick.execute(f"PRAGMA busy_timeout = {self.wait}")
+            quick.turn_wait = self.wait / 1000
         return quick
 
     def quick_transaction(self, quick):
@@ -5474,6 +5673,12 @@ class _Importer:
         # For an account with erased addresses: marks the new recipients that
         # are erased ones (see _erased_marker); None keeps imports as fast.
         self.erased = None
+        # Rows written since the last commit; None: one transaction, the
+        # caller's (else commit() is called before a chunk would take the
+        # transaction past _COMMIT_ROWS rows).
+        self.since, self.commit = None, None
+        self.committed = False   # whether a commit kept some of the rows
+        self.counted = (0, 0)    # rows and skipped up to the last chunk written
         # New fields: placeholder key -> name until a stored row has them,
         # then placeholder -> field id; and the last keys translated (a CSV
         # passes one tuple for every row, a JSON upload one per shape).
@@ -5569,7 +5774,33 @@ class _Importer:
         values merged in, never their status), each counted once."""
         pending, self.pending = self.pending, {}
         if pending:
+            self.turn(len(pending))
+            self.counted = (self.rows, self.skipped)
             self.writes.flush(pending)
+
+    def turn(self, rows):
+        """Before writing ``rows`` rows: when they would take the transaction
+        past _COMMIT_ROWS, commit what is written first (commit())."""
+        if self.since is None:
+            return
+        if self.since and self.since + rows > _COMMIT_ROWS:
+            self.writes.finish()   # the figures final for what is written
+            self.committed = True     # (at worst nothing was: then no record is failed)
+            self.commit(self)
+            self.since = 0
+        self.since += rows
+
+    @property
+    def hears_added(self):
+        """Whether added() wants the new addresses (building the list costs)."""
+        return self.erased is not None
+
+    def added(self, addresses):
+        """The addresses this import has just inserted (new recipients), in
+        the transaction of their chunk: the one place where an import reacts
+        to new recipients (an erased address is stored unsubscribed)."""
+        if self.erased is not None:
+            self.erased(self.conn, addresses)
 
     def finish(self):
         """The last flush: after it every row is written and the figures are
@@ -5982,7 +6213,8 @@ class _ChildReader:
                 def send():
                     pending, importer.pending = importer.pending, {}
                     if pending:
-                        marshal.dump(("chunk", _chunk_json(pending)), out)
+                        marshal.dump(("chunk", _chunk_json(pending), len(pending),
+                                      importer.rows, importer.skipped, importer.errors), out)
 
                 importer.flush = send
                 try:
@@ -6006,9 +6238,13 @@ class _ChildReader:
         """One message of the child; True once it sent the figures."""
         importer = self.importer
         if kind == "chunk":
+            chunk, rows, *figures = data
+            importer.turn(rows)   # a commit counts the rows before this chunk
+            importer.rows, importer.skipped, importer.errors = figures
+            importer.counted = (importer.rows, importer.skipped)
             self.stored = True
             blanks = dict.fromkeys(self.layout.keys)
-            importer.writes.write(data[0], lambda address, values: _to_json(
+            importer.writes.write(chunk, lambda address, values: _to_json(
                 {**blanks, **json.loads(values)}))
             return False
         if kind == "done":
@@ -6066,10 +6302,12 @@ def _import_json(importer, data):
 
 @_short_turns()
 def _import_create(call, child_id):
-    """Import a CSV file or an array of objects into the datasource, as one
-    transaction (the request's), in chunks; mail the figures to the account."""
+    """Import a CSV file or an array of objects into the datasource in chunks,
+    each committed with the figures so far (status 'running'); the last one
+    finishes the record and mails the figures to the account.  Until the
+    first commit nothing is written; an error after it leaves the import
+    'failed' with what it stored (importing again completes it)."""
     call.base_url  # noqa: B018  (the email links the record: a refused host reads nothing)
-    datasource = call.parent
     upload_type = call.params["__uploadtype__"]
     # Popped, so that once read it is garbage: the upload is the big thing.
     data = call.params.pop("__uploaddata__")
@@ -6085,30 +6323,79 @@ def _import_create(call, child_id):
                 if raw.startswith(b"PK\x03\x04") else ""
             raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
                               field="__uploaddata__")
-    import_id = _insert_record(call.conn, "import", child_id, {
-        "datasource": datasource["id"], "name": call.params["name"],
-        "originalfile": call.params["originalfile"], "uploadtype": upload_type,
-        "status": "running", "created": _now()})
-    importer = _Importer(call.conn, datasource["id"], import_id)
-    importer.erased = _erased_marker(call, datasource["id"])
+    conn, importer, import_id = call.conn, None, None
     try:
-        if raw is None:
-            _import_json(importer, data)
-        else:
-            _import_csv(importer, raw)
-    except UnicodeDecodeError:
-        raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or Latin-1); "
-                          "nothing was imported.", field="__uploaddata__") from None
-    importer.finish()
-    _update_record(call.conn, "import", import_id, {
-        "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
-        "updated": importer.updated, "skipped": importer.skipped,
-        "errors": _to_json(importer.errors), "finished": _now()})
-    call.conn.execute(f"DELETE FROM {call.conn.sql['temp']}.import_touched")
-    row = call.conn.execute("SELECT * FROM import WHERE id = ?", (import_id,)).fetchone()
-    emit(call.conn, call.account, "import.finished", _import_record(call, row), call.events)
-    _notify_import(call, datasource, row)
+        with transaction(conn):
+            # Again in the transaction: the route is no one transaction, so
+            # the pipeline's look-up did not refuse a deleted datasource.
+            datasource = DATASOURCE.find(conn, call.account, call.parent["id"], live=True)
+            import_id = _insert_record(conn, "import", child_id, {
+                "datasource": datasource["id"], "name": call.params["name"],
+                "originalfile": call.params["originalfile"], "uploadtype": upload_type,
+                "status": "running", "created": _now()})
+            conn.claim_import(import_id)   # released below; a dead process's: failed at start
+            importer = _Importer(conn, datasource["id"], import_id)
+            importer.erased = _erased_marker(call, datasource["id"])
+            importer.since, importer.commit = 0, _commit_import
+            try:
+                if raw is None:
+                    _import_json(importer, data)
+                else:
+                    _import_csv(importer, raw)
+            except UnicodeDecodeError:
+                raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or Latin-1); "
+                                  "nothing was imported.", field="__uploaddata__") from None
+            importer.finish()
+            _update_record(conn, "import", import_id, {
+                "status": "finished", "rows": importer.rows, "inserted": importer.inserted,
+                "updated": importer.updated, "skipped": importer.skipped,
+                "errors": _to_json(importer.errors), "finished": _now()})
+            conn.execute(f"DELETE FROM {conn.sql['temp']}.import_touched")
+            row = conn.execute("SELECT * FROM import WHERE id = ?", (import_id,)).fetchone()
+            emit(conn, call.account, "import.finished", _import_record(call, row), call.events)
+            _notify_import(call, datasource, row)
+    except BaseException:
+        if importer is not None and importer.committed:   # what it stored stays
+            try:
+                with transaction(conn):
+                    _fail_imports(conn, [import_id])
+            except Exception:   # (a lost connection) the next start marks it
+                _log.exception("import %s stopped and could not be marked failed", import_id)
+        raise
+    finally:
+        if import_id is not None:
+            try:
+                conn.release_import(import_id)
+            except Exception:   # a lost PostgreSQL session let its lock go already
+                _log.exception("import %s: its running mark could not be taken off", import_id)
     return {"id": str(import_id)}
+
+
+def _commit_import(importer):
+    """Commit an import's chunks so far with their figures (status still
+    'running'), and go on in a new transaction (_next_chunk)."""
+    rows, skipped = importer.counted
+    _update_record(importer.conn, "import", importer.import_id, {
+        "rows": rows, "inserted": importer.inserted, "updated": importer.updated,
+        "skipped": skipped, "errors": _to_json(importer.errors)})
+    _next_chunk(importer.conn)
+
+
+def _fail_imports(conn, import_ids):
+    """Mark running imports 'failed', keeping the rows and figures they committed."""
+    conn.executemany("UPDATE import SET status = 'failed', finished = ? "
+                     "WHERE id = ? AND status = 'running'",
+                     [(_now(), import_id) for import_id in import_ids])
+
+
+def _fail_interrupted_imports(conn):
+    """At start: the imports still 'running' that no process runs any more
+    (it died halfway) become 'failed'; their stored rows stay."""
+    gone = [row[0] for row in conn.execute("SELECT id FROM import WHERE status = 'running'")
+            if conn.import_orphaned(row[0])]
+    if gone:
+        with transaction(conn):
+            _fail_imports(conn, gone)
 
 
 def _notify_import(call, datasource, row):
@@ -6131,7 +6418,10 @@ def _notify_import(call, datasource, row):
 
 
 def _remove_imported(call, row):
-    """Deleting an import removes the recipients that it inserted."""
+    """Deleting an import removes the recipients that it inserted; one that
+    is still running cannot go yet."""
+    if row["status"] == "running" and not call.conn.import_orphaned(row["id"]):
+        raise Conflict(f"Import {row['id']} is still running: delete it once it has ended.")
     call.conn.execute("DELETE FROM recipient WHERE import = ?", (row["id"],))
 
 
@@ -13286,6 +13576,11 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
         (``imap``, ``user``, ``password``, ...): the mailbox is read every
         _MAILBOX_INTERVAL seconds.
     """
+    conn = connect(db)
+    try:
+        _fail_interrupted_imports(conn)   # a start: imports a process died in
+    finally:
+        conn.close()
     worker = _Worker(db, stop_event, smtp, interval, on_event, webhook_allow_private,
                      templates_dir, bounce_mailbox, delivery)
     lanes = {}   # thread name -> its steps, in the order of _WORKER_STEPS
@@ -13853,8 +14148,10 @@ ROUTES = [
           "new:str! type:" + "|".join(FIELD_TYPES) + "!", writes=True,
           summary="Rename or retype a field", answers=_FIELD_ANSWER),
     Route("GET",    "/datasource/{parent_id}/import/{child_id:int|all}", "read", IMPORT.get),
+    # Not one transaction: _import_create() commits in chunks (API.md section 5).
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
           "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",
+          writes=False, changes=True,
           summary="Import recipients", answers=_ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
     Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
     Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
@@ -14175,6 +14472,7 @@ def create_app(db="campaignapi.db", **config):
     # connection, and made then it would wait for the lock that one holds.
     service.secret  # noqa: B018
     service.intake.resume()   # public writes an earlier run kept, applied now
+    _fail_interrupted_imports(service.conn())   # imports a process died in
     return app
 
 

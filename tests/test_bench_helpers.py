@@ -117,9 +117,11 @@ def test_latency_counts_from_the_due_time_so_a_stall_counts_whole():
 
 def test_expected_effects_count_rows_once():
     answered = {"open": [0, 1, 2], "click": [0, 0], "unsubscribe": [0, 1, 5, 6],
-                "signup": [3, 4], "confirm": [2]}
+                "signup": [3, 4], "confirm": [2], "campaign_create": [0, 1, 1],
+                "campaign_change": [0, 1], "recipient_create": [7]}
     assert bench.expected_effects(answered, many=5) == {
-        "open": 3, "click": 2, "unsubscribe": 2, "signup": 2, "confirm": 1}
+        "open": 3, "click": 2, "unsubscribe": 2, "signup": 2, "confirm": 1,
+        "campaign_create": 2, "recipient_create": 1}
 
 
 def test_growth_ratio():

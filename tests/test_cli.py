@@ -30,7 +30,7 @@ def run_cli(*args, cwd):
 def test_new_database_gets_the_schema_version(db):
     campaignapi.create_app(db)
     conn = campaignapi.connect(db)
-    assert conn.schema_version() == campaignapi.SCHEMA_VERSION == 10
+    assert conn.schema_version() == campaignapi.SCHEMA_VERSION == 11
     conn.close()
     assert {"account", "apikey", "datasource", "field", "campaign"} <= set(snapshot(db))
 
