@@ -1402,12 +1402,18 @@ ALTER TABLE outbox ADD CONSTRAINT outbox_status_check
     # Version 10: pages people see: a datasource's language, a field's label
     # on the sign-up form, a campaign in the public archive, and the lists
     # each batch made so far mailed (as its outbox rows say).
-    (10, """
-ALTER TABLE datasource ADD COLUMN language TEXT NOT NULL DEFAULT 'en'
+    (10, {"sqlite": lambda conn: _sqlite_add_columns(conn, (
+        ("datasource", "language TEXT NOT NULL DEFAULT 'en' "
+                       "CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'))"),
+        ("field", "label TEXT NOT NULL DEFAULT ''"),
+        ("campaign", "public INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1))"))),
+        "postgresql": """
+ALTER TABLE datasource ADD COLUMN IF NOT EXISTS language TEXT NOT NULL DEFAULT 'en'
     CHECK (language IN ('en', 'de', 'fr', 'es', 'nl'));
-ALTER TABLE field ADD COLUMN label TEXT NOT NULL DEFAULT '';
-ALTER TABLE campaign ADD COLUMN public INTEGER NOT NULL DEFAULT 0 CHECK (public IN (0, 1));
-"""),
+ALTER TABLE field ADD COLUMN IF NOT EXISTS label TEXT NOT NULL DEFAULT '';
+ALTER TABLE campaign ADD COLUMN IF NOT EXISTS public INTEGER NOT NULL DEFAULT 0
+    CHECK (public IN (0, 1));
+"""}),
     (10, lambda conn: (conn.run_script(conn.schema_script(_schema_table("batch_datasource"))),
                        conn.execute(
         "INSERT INTO batch_datasource (datasource, batch) SELECT DISTINCT r.datasource, o.batch "
@@ -5574,7 +5580,7 @@ RECIPIENT = Resource("recipient", "recipient", _recipient_record,
                                     "bounced or complained).", "active"),
                          "email": ("An address. On a listing: only the recipient with it "
                                    "(without case). On create and change: the recipient's "
-                                   "address.", "ann@example.com")})
+                                   "address.", "ann@example.com", {"not": {"pattern": "^\\s*$"}})})
 
 
 # Field changes --------------------------------------------------------------

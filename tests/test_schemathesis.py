@@ -10,6 +10,7 @@ import socket
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from conftest import Api
 from helpers import build_world, keyed_client, new_idempotency_key
@@ -50,6 +51,20 @@ def document_under_test(db, monkeypatch):
 schema = schemathesis.pytest.from_fixture("document_under_test")
 
 
+def unreadable_upload(case, response):
+    """An import whose upload the document can only type as a string, and
+    whose bytes cannot be read as one (not base64, no email column): 422
+    invalid_data, as the API says for data that cannot be read at all, with
+    the rule in the parameter's words, not in a schema."""
+    return (case.method == "PUT" and case.operation.path.endswith("/import/{child_id}")
+            and response.status_code == 422
+            and response.json()["data"]["error"] == "invalid_data")
+
+
 @schema.parametrize()
 def test_the_server_does_what_the_document_says(case, document_under_test):
-    new_idempotency_key(case).call_and_validate(headers=document_under_test.auth_headers)
+    case, headers = new_idempotency_key(case), document_under_test.auth_headers
+    response = case.call(headers=headers)
+    excluded = [positive_data_acceptance] if unreadable_upload(case, response) else []
+    case.validate_response(response, headers=headers, excluded_checks=excluded,
+                           transport_kwargs={"headers": dict(headers)})
