@@ -4445,30 +4445,54 @@ def _prepared(conn, account, scope, message, sender, *, template=None, tracking=
     :param list_id: its List-Id header ('' none; see _list_id()).
     :param bulk: bulk mail: List-Unsubscribe and {{unsubscribe_url}}.
     """
-    inputs = [message["id"], message["subject"], message["html"], message["text"],
-              template and list(template), [sender.get(name) or "" for name in (
-                  "fromname", "fromaddress", "replyto")], bool(tracking), base_url or "",
-              list_id or "", bool(bulk)]
-    digest = hashlib.sha256(_to_json(inputs).encode("utf-8")).hexdigest()
+    options = {"template": template, "tracking": tracking, "base_url": base_url,
+               "list_id": list_id, "bulk": bulk}
+    digest = _prepared_digest(message, sender, **options)
     row = conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
                        (scope, digest)).fetchone()
     if row is not None:
         return row[0]
-    sent = _prepare_message(message, template)
-    tracked, links = _track_html(sent["html"]) if tracking and sent["html"] else (None, [])
+    content, links = _prepared_content(message, sender, **options)
     row = conn.execute(
         "INSERT INTO prepared (account, scope, digest, message, subject, html, text, tracked, "
         "fromname, fromaddress, replyto, list_id, base_url, bulk, created) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
         "ON CONFLICT (scope, digest) DO NOTHING RETURNING id",
-        (account, scope, digest, message["id"], sent["subject"], sent["html"], sent["text"],
-         tracked, *inputs[5], list_id or "", base_url or "", int(bool(bulk)), _now())).fetchone()
+        (account, scope, digest, message["id"], *(content[name] for name in _PREPARED_COLUMNS),
+         _now())).fetchone()
     if row is None:   # another transaction made it meanwhile
         return conn.execute("SELECT id FROM prepared WHERE scope = ? AND digest = ?",
                             (scope, digest)).fetchone()[0]
     conn.executemany("INSERT INTO prepared_link (prepared, link, url) VALUES (?, ?, ?)",
                      [(row[0], index, url) for index, url in enumerate(links)])
     return row[0]
+
+
+#: The columns of a prepared message that _prepared_content() gives, in the
+#: order _prepared() writes them.
+_PREPARED_COLUMNS = ("subject", "html", "text", "tracked", "fromname", "fromaddress", "replyto",
+                     "list_id", "base_url", "bulk")
+
+
+def _prepared_digest(message, sender, *, template, tracking, base_url, list_id, bulk):
+    """What names a prepared message's inputs (_prepared()'s arguments)."""
+    inputs = [message["id"], message["subject"], message["html"], message["text"],
+              template and list(template), [sender.get(name) or "" for name in (
+                  "fromname", "fromaddress", "replyto")], bool(tracking), base_url or "",
+              list_id or "", bool(bulk)]
+    return hashlib.sha256(_to_json(inputs).encode("utf-8")).hexdigest()
+
+
+def _prepared_content(message, sender, *, template, tracking, base_url, list_id, bulk):
+    """``(columns, links)`` of the prepared message of _prepared()'s arguments,
+    written nowhere: its _PREPARED_COLUMNS (what _prepared_letter() reads)
+    and the URLs of its tracked links.  An automation's verify builds its
+    samples from these too."""
+    sent = _prepare_message(message, template)
+    tracked, links = _track_html(sent["html"]) if tracking and sent["html"] else (None, [])
+    return {**sent, "tracked": tracked, **{name: sender.get(name) or "" for name in (
+        "fromname", "fromaddress", "replyto")}, "list_id": list_id or "",
+        "base_url": base_url or "", "bulk": int(bool(bulk))}, links
 
 
 # The outbox ------------------------------------------------------------------
@@ -7171,7 +7195,8 @@ def _campaign_verify_get(call, child_id):
 
 
 def _verify_settings(call):
-    """verify_campaign()'s ``settings`` for a request (links=1 asks for the links check)."""
+    """verify_campaign()'s and verify_automation()'s ``settings`` for a request
+    (links=1 asks for the links check)."""
     return {**call.service.config, "secret": call.service.secret,
             "links": bool(call.get("links"))}
 
@@ -8641,8 +8666,10 @@ def _automation_written(call, automation_id):
     was = call.memo.get("was") or {"enabled": 0, "steps": "[]"}
     now = _now()
     if row["enabled"] and not was["enabled"]:
+        # Size and spam, as a campaign's send; links only when verify asks.
         _refuse_failing(verify_automation(call.conn, call.account, automation_id,
-                                          call.service.config["templates_dir"]),
+                                          call.service.config["templates_dir"],
+                                          settings={**_verify_settings(call), "links": False}),
                         f"Automation {automation_id}")
     if row["enabled"] != was["enabled"]:
         call.conn.execute("UPDATE automation_run SET paused = ? WHERE automation = ? "
@@ -9089,8 +9116,9 @@ class _Automation(_Campaign):
 
     kind = "automation"
 
-    def __init__(self, conn, account, automation_id, templates_dir=""):  # a campaign's, without links
-        self.conn, self.id = conn, automation_id
+    def __init__(self, conn, account, automation_id, templates_dir="", settings=None):
+        # a campaign's, without campaign messages (links) and segments
+        self.conn, self.id, self.settings = conn, automation_id, settings or {}
         self.path = f"/v1/automation/{automation_id}"
         self.row = AUTOMATION.find(conn, account, automation_id)
         self.read_sender(account, templates_dir)
@@ -9141,8 +9169,9 @@ def _verify_automation_trigger(c):
 
 
 #: Verify of an automation: its own checks, then the campaign checks that
-#: concern one email (they read the same attributes).
-_AUTOMATION_CHECKS = (
+#: concern one email (they read the same attributes), then the
+#: deliverability checks (size, links, spam: added where they are defined).
+_AUTOMATION_CHECKS = [
     ("automation_datasource", _verify_automation_datasource),
     ("automation_messages", _verify_automation_messages),
     ("trigger_field", _verify_automation_trigger),
@@ -9152,17 +9181,19 @@ _AUTOMATION_CHECKS = (
     ("template_content", _verify_template_content),
     ("unsubscribe_link", _verify_unsubscribe_links),
     ("merge_tags", _verify_automation_merge_tags), ("reply_to", _verify_reply_to),
-    ("header_line_breaks", _verify_header_line_breaks))
+    ("header_line_breaks", _verify_header_line_breaks)]
 
 
-def verify_automation(conn, account, automation_id, templates_dir=""):
+def verify_automation(conn, account, automation_id, templates_dir="", *, settings=None):
     """Check whether automation ``automation_id`` can be enabled; the verify
     record ``{id, automation, passed, checks, verified}`` (as a campaign's).
 
     :param account: the account that owns it (404 if not).
     :param templates_dir: where template files named by defaulttemplate are.
+    :param settings: what the deliverability checks use, as verify_campaign()'s.
     """
-    return _Automation(conn, account, automation_id, templates_dir).report(_AUTOMATION_CHECKS)
+    return _Automation(conn, account, automation_id, templates_dir,
+                       settings).report(_AUTOMATION_CHECKS)
 
 
 def _automation_verify_get(call, child_id):
@@ -9170,7 +9201,8 @@ def _automation_verify_get(call, child_id):
         raise NotFound(f"Automation {call.parent['id']} has one verify, at "
                        f"/automation/{call.parent['id']}/verify/0.")
     return {"verify": verify_automation(call.conn, call.account, call.parent["id"],
-                                        call.service.config["templates_dir"])}
+                                        call.service.config["templates_dir"],
+                                        settings=_verify_settings(call))}
 
 
 #: The figures of each step in an automation's statistics.
@@ -10960,9 +10992,10 @@ def _fetch_https(url, *, context=None, allow_private=False, timeout=10.0, max_by
 #
 # Each looks at emails as a recipient gets them: samples ``(label, raw email,
 # key)``, ``key`` naming the content (the score of the same content is kept).
-# A campaign's verify builds its samples with _campaign_samples(); another
-# verify (an automation's) builds its own and calls the same _size_check(),
-# _links_check() and _spam_check(), each giving ``(problems, passed message)``.
+# A campaign's verify builds its samples with _campaign_samples(), an
+# automation's with _automation_samples() (each sent as its kind sends it);
+# both call the same _size_check(), _links_check() and _spam_check(), each
+# giving ``(problems, passed message)``.
 
 #: Gmail clips an email whose html is larger than this many bytes.
 _CLIP_SIZE = 102 * 1024
@@ -10986,49 +11019,108 @@ def _sample_parts(raw):
     return parts
 
 
-def _campaign_samples(c, settings):
-    """The samples of a verified campaign (_Campaign): each live message as
-    delivery builds it, in its template with the CSS inlined and tracking when
-    the campaign has it on, for the first recipient of its segment (blank
-    values when there is none), its links pointing at ``public_url``."""
-    if getattr(c, "samples", None) is not None:
-        return c.samples
-    base = (settings.get("public_url") or "https://campaignapi.invalid").rstrip("/")
-    secret = settings.get("secret") or "verify"
+def _verify_samples(c):
+    """The samples of a verified campaign or automation (built once a
+    verify): each live message as delivery builds it, in its template with
+    the CSS inlined and tracking when it has it on, for a recipient it would
+    mail (blank values when there is none), its links pointing at
+    ``public_url`` (an automation's at its own base_url when it has one).
+    ``c.link_targets``: where its tracked links lead (the links check asks
+    them: the emails' own links are the service's click links)."""
+    if getattr(c, "samples", None) is None:
+        base = (c.row["base_url"] if c.kind == "automation" and c.row["base_url"] else
+                c.settings.get("public_url") or "https://campaignapi.invalid").rstrip("/")
+        secret = c.settings.get("secret") or "verify"
+        c.samples, c.own_links, c.link_targets = [], base, set()
+        for message, build in _SAMPLES[c.kind](c, base):
+            try:
+                label, built, key = build()
+                raw, targets = _letter_sample(c.conn, built, secret)
+                c.samples.append((label, raw, key))
+                c.link_targets.update(targets)
+            except Exception:  # noqa: BLE001 - verify's other checks say what is wrong with it
+                _log.warning("verify: message %s of %s %s could not be built",
+                             message["id"], c.kind, c.id, exc_info=True)
+    return c.samples
+
+
+def _campaign_samples(c, base):
+    """``(message, build)`` of each live message of a verified campaign
+    (_Campaign), ``build()`` giving ``(label, (Letter, recipient, tracked
+    links), key)``: as a batch builds it, for the first recipient of its segment."""
     campaign = {"id": c.id, "owner": c.row["owner"], "accountprofile": c.row["accountprofile"]}
-    c.samples, seen = [], set()
+    seen = set()
     for link in c.links:
         message, segment = c.messages[link["message"]], c.segments[link["segment"]]
         if message["deleted"] or message["id"] in seen:
             continue
         seen.add(message["id"])
-        try:
-            c.samples.append(_message_sample(c, campaign, message, segment, base, secret))
-        except Exception:  # noqa: BLE001 - verify's other checks say what is wrong with it
-            _log.warning("verify: message %s of campaign %s could not be built",
-                         message["id"], c.id, exc_info=True)
-    c.own_links = base
-    return c.samples
+        yield message, functools.partial(_message_sample, c, campaign, message, segment, base)
 
 
-def _message_sample(c, campaign, message, segment, base, secret):
-    """The sample of one message of a verified campaign (_campaign_samples())."""
+def _message_sample(c, campaign, message, segment, base):
+    """One message of a verified campaign (_campaign_samples())."""
     sent = _prepare_message(message, c.template)
-    letter = _message_letter(c.conn, campaign, message, sent, base, _default_mail_from())
-    recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
-    values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
-        _datasource_fields(c.conn, recipient["datasource"]), recipient)
+    letter, links = _message_letter(c.conn, campaign, message, sent, base,
+                                    _default_mail_from()), []
     if c.row["tracking"] and sent["html"]:
         tracked, links = _track_html(sent["html"])
-        letter.html = _Template(tracked)
-        values.update(_tracking_values(secret, base, 0, len(links)))
+        letter.html, letter.links = _Template(tracked), len(links)
+    key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
+                                   c.row["tracking"]]).encode()).hexdigest()
+    recipient = None if segment["deleted"] else _segment_recipient(c.conn, segment)
+    return _label("message", message), (letter, recipient, links), key
+
+
+def _automation_samples(c, base):
+    """``(message, build)`` of each live message of a verified automation's
+    send steps (_Automation), as _send_step() prepares it (_prepared_content():
+    its sender profile, template, tracking and List-Id), for the first active
+    recipient of its datasource."""
+    account = c.row["owner"]
+    options = {"template": c.template, "tracking": c.row["tracking"], "base_url": base,
+               "list_id": _list_id("automation", c.id, account), "bulk": True}
+    seen = set()
+    for step in c.steps:
+        message = c.messages.get(step.get("send"))
+        if message is None or message["deleted"] or message["id"] in seen:
+            continue
+        seen.add(message["id"])
+
+        def build(message=message):
+            sender = _campaign_sender(c.conn, c.row, message)
+            content, links = _prepared_content(message, sender, **options)
+            letter = _prepared_letter({**content, "account": account, "links": len(links)},
+                                      _default_mail_from())
+            recipient = None if c.datasource is None or c.datasource["deleted"] else \
+                _segment_recipient(c.conn, {"owner": account, "match": "all", "conditions": "[]",
+                                            "datasources": _to_json([c.datasource["id"]])})
+            return (_label("message", message), (letter, recipient, links),
+                    _prepared_digest(message, sender, **options))
+        yield message, build
+
+
+#: How the samples of each kind verify checks are built (_verify_samples()).
+_SAMPLES = {"campaign": _campaign_samples, "automation": _automation_samples}
+
+
+def _letter_sample(conn, built, secret):
+    """``(raw email, where its tracked links lead)`` of a sample's ``(Letter,
+    recipient row or None, tracked links)``, as delivery builds it for the
+    recipient (blank values and a placeholder address without one): merge
+    values, tracking and unsubscribe links that name a first email, a
+    signed Message-ID; the targets as a click finds them (_click_target())."""
+    letter, recipient, links = built
+    values = {"email": "recipient@example.com"} if recipient is None else _recipient_values(
+        _datasource_fields(conn, recipient["datasource"]), recipient)
+    targets = [_click_target(url, values) for url in links]
+    if letter.links is not None:
+        values.update(_tracking_values(secret, letter.base, 0, letter.links))
     to_addr = recipient["email"] if recipient else "recipient@example.com"
     _, raw = _recipient_email(letter, secret, to_addr, values,
                               recipient["id"] if recipient else None,
-                              message_id=message_id_for(secret, 0, letter.domain))
-    key = hashlib.sha256(_to_json([sent, _campaign_sender(c.conn, campaign, message),
-                                   c.row["tracking"]]).encode()).hexdigest()
-    return _label("message", message), raw, key
+                              message_id=message_id_for(secret, 0, letter.domain), outbox=0)
+    return raw, targets
 
 
 def _size_check(samples):
@@ -11051,6 +11143,11 @@ def _sample_links(raw, own):
     urls = [value for _, _, attrs in finder.anchors for name, value in attrs
             if name == "href" and value]
     urls += re.findall(r"https?://[^\s<>\"')]+", text_body)
+    return _checked_links(urls, own)
+
+
+def _checked_links(urls, own):
+    """The distinct http(s) URLs of ``urls`` but those to ``own``."""
     return {url.strip() for url in urls if url.strip().lower().startswith(("http://", "https://"))
             and not url.strip().startswith(own + "/")}
 
@@ -11079,11 +11176,13 @@ def _link_answer(url, allow_private):
             return None if status < 400 else f"answered {status}"
 
 
-def _links_check(samples, settings, own=""):
-    """Every distinct link of the samples, _LINK_WORKERS at a time."""
+def _links_check(samples, settings, own="", targets=()):
+    """Every distinct link of the samples and where their tracked links lead
+    (``targets``), _LINK_WORKERS at a time."""
     if not settings.get("links"):
         return [], "Links were not checked: verify with links=1 checks every link of every message."
-    urls = sorted(set().union(*(_sample_links(raw, own) for _, raw, _ in samples)))
+    urls = sorted(set().union(_checked_links(targets, own),
+                              *(_sample_links(raw, own) for _, raw, _ in samples)))
     checked = urls[:_LINK_MAX]
     allow = bool(settings.get("webhook_allow_private"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=_LINK_WORKERS) as pool:
@@ -11194,18 +11293,23 @@ def _spam_check(samples, settings):
 
 @_verify_check("size")
 def _verify_size(c):
-    return _size_check(_campaign_samples(c, c.settings))
+    return _size_check(_verify_samples(c))
 
 
 @_verify_check("links")
 def _verify_links_answer(c):
-    samples = _campaign_samples(c, c.settings)
-    return _links_check(samples, c.settings, c.own_links)
+    samples = _verify_samples(c)
+    return _links_check(samples, c.settings, c.own_links, c.link_targets)
 
 
 @_verify_check("spam")
 def _verify_spam(c):
-    return _spam_check(_campaign_samples(c, c.settings), c.settings)
+    return _spam_check(_verify_samples(c), c.settings)
+
+
+# An automation's verify checks its send steps' emails the same way.
+_AUTOMATION_CHECKS.extend((("size", _verify_size), ("links", _verify_links_answer),
+                           ("spam", _verify_spam)))
 
 
 # ---------------------------------------------------------------------------
@@ -14231,7 +14335,7 @@ ROUTES = [
     Route("DELETE", "/automation/{parent_id}/run/{child_id}", "delete", _run_cancel, "",
           summary="Cancel a waiting run", answers=_ANSWER_DONE),
     Route("GET",    "/automation/{parent_id}/verify/{child_id}", "read", _automation_verify_get,
-          answers=("verify", "automationverify")),
+          "links:flag", answers=("verify", "automationverify")),
     Route("GET",    "/automation/{parent_id}/archive/{child_id}", "read",
           _automation_archive_get, summary="An automation's statistics",
           answers=("archive", "automationarchive")),

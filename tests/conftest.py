@@ -1,9 +1,12 @@
 """Fixtures: an app on a temporary SQLite file, a WebTest client, keys."""
 
 import contextlib
+import http.server
 import os
+import shutil
 import signal
 import threading
+import time
 
 import pytest
 import webtest
@@ -350,3 +353,59 @@ def pg_schema_db(pg_cluster, pg_pool):
         yield pg_cluster.url(name)
     finally:
         pg_pool.give_back(name)
+
+
+# --- deliverability checks: the real SpamAssassin, a real HTTP server of links ---------
+
+@pytest.fixture
+def spamassassin():
+    if not shutil.which("spamassassin"):
+        if os.environ.get("CI"):
+            pytest.fail("spamassassin is missing; .ci/run installs it")
+        pytest.skip("spamassassin is missing (apt-get install spamassassin)")
+
+
+class _Links(http.server.BaseHTTPRequestHandler):
+    """Real HTTP answers for the links check: /ok, /get-only (HEAD 405),
+    /missing (404), /hop/N (redirects N more times, then 200), /slow (no
+    answer for 8 seconds)."""
+
+    def do_HEAD(self):
+        if self.path == "/get-only":
+            self.server.seen.append((self.command, self.path))
+            self.answer(405)
+        else:
+            self.do_GET()
+
+    def do_GET(self):
+        self.server.seen.append((self.command, self.path))
+        if self.path in ("/ok", "/get-only"):
+            self.answer(200)
+        elif self.path.startswith("/hop/"):
+            left = int(self.path.rsplit("/", 1)[1])
+            self.answer(200) if left == 0 else self.answer(302, f"/hop/{left - 1}")
+        elif self.path == "/slow":
+            time.sleep(8)
+            self.answer(200)
+        else:
+            self.answer(404)
+
+    def answer(self, status, location=None):
+        self.send_response(status)
+        if location:
+            self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def link_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Links)
+    server.daemon_threads, server.seen = True, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()

@@ -3,14 +3,8 @@ and the text body made from the html of a message that has none."""
 
 import email
 import email.policy
-import http.server
-import os
 import re
-import shutil
-import threading
 import time
-
-import pytest
 
 import campaignapi
 from conftest import Api
@@ -91,14 +85,6 @@ def scored(message):
     return score, re.search(r"\(rules: ([^)]*)\)", message).group(1)
 
 
-@pytest.fixture
-def spamassassin():
-    if not shutil.which("spamassassin"):
-        if os.environ.get("CI"):
-            pytest.fail("spamassassin is missing; .ci/run installs it")
-        pytest.skip("spamassassin is missing (apt-get install spamassassin)")
-
-
 def test_the_walkthrough_email_with_a_template_and_tracking_scores_at_most_one(
         api, spamassassin):
     campaign = walkthrough_campaign(api)
@@ -141,52 +127,6 @@ def test_spam_check_is_skipped_and_says_so_without_spamassassin(db, tmp_path, mo
                                                                   "installed"), check
 
 
-class _Links(http.server.BaseHTTPRequestHandler):
-    """Real HTTP answers for the links check: /ok, /get-only (HEAD 405),
-    /missing (404), /hop/N (redirects N more times, then 200), /slow (no
-    answer for 8 seconds)."""
-
-    def do_HEAD(self):
-        if self.path == "/get-only":
-            self.server.seen.append((self.command, self.path))
-            self.answer(405)
-        else:
-            self.do_GET()
-
-    def do_GET(self):
-        self.server.seen.append((self.command, self.path))
-        if self.path in ("/ok", "/get-only"):
-            self.answer(200)
-        elif self.path.startswith("/hop/"):
-            left = int(self.path.rsplit("/", 1)[1])
-            self.answer(200) if left == 0 else self.answer(302, f"/hop/{left - 1}")
-        elif self.path == "/slow":
-            time.sleep(8)
-            self.answer(200)
-        else:
-            self.answer(404)
-
-    def answer(self, status, location=None):
-        self.send_response(status)
-        if location:
-            self.send_header("Location", location)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def link_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Links)
-    server.daemon_threads, server.seen = True, []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", server
-    server.shutdown()
-    server.server_close()
-
-
 def test_links_check_asks_every_link_at_once_and_names_those_that_fail(db, link_server):
     base, server = link_server
     client, auth = keyed_client(db, webhook_allow_private=True)
@@ -220,3 +160,22 @@ def test_links_check_asks_every_link_at_once_and_names_those_that_fail(db, link_
     checks = {c["check"]: c for c in Api(client, auth).get(verify, links=1)["verify"]["checks"]}
     assert checks["links"]["passed"] == "0" and not server.seen
     assert "loopback" in checks["links"]["message"], checks["links"]["message"]
+
+
+def test_links_check_asks_where_tracked_links_lead(db, link_server):
+    base, server = link_server
+    api = Api(*keyed_client(db, webhook_allow_private=True))
+    ids = html_only_campaign(api)
+    api.post(f"/campaign/{ids['campaign']}", tracking="1")
+    api.post(f"/message/{ids['message']}", html=f'<p><a href="{base}/ok">fine</a> '
+             f'<a href="{base}/missing?for={{{{first}}}}">gone</a></p>'
+             '<a href="{{unsubscribe_url}}">Unsubscribe</a>',
+             text="The spring range is in.\nUnsubscribe: {{unsubscribe_url}}")
+    links = {c["check"]: c for c in api.get(f"/campaign/{ids['campaign']}/verify/0",
+                                            links=1)["verify"]["checks"]}["links"]
+    # The email's links are click links of the service: their targets are asked,
+    # with the sample recipient's merge values.
+    assert links["passed"] == "0", links
+    assert re.findall(r"(http://\S+) \(", links["message"]) == [f"{base}/missing?for=Ann"], links
+    assert sorted(path for _, path in server.seen) == ["/missing?for=Ann", "/ok"]
+
