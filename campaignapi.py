@@ -12742,13 +12742,19 @@ class _Courier:
                 f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
                 "RETURNING id, account, kind, batch, message, recipient, to_addr, subject, body, "
                 "html, attempts, fromname, fromaddress, replyto, campaign, base_url, prepared, "
-                "merge_values, priority",
+                "merge_values, priority, next_try",
                 (self.run.worker_id, _now(), due, *skipped, self.run.chunk)).fetchall()
             claimed = len(rows)
+            # RETURNING keeps no order, and rows of one priority and next_try
+            # come as they lie in the table (on PostgreSQL, anywhere in a table
+            # whose rows were deleted or updated): in the claim's order, the
+            # oldest first among equals, so that a domain's rate and the
+            # warm-up admit the highest priority, longest due, oldest rows,
+            # and the higher priority is sent first.
+            rows = sorted(rows, key=lambda row: (-row["priority"], row["next_try"], row["id"]))
             if rows:
                 rows = self.run.pace.admit(self.conn, rows, clock)
-        # RETURNING keeps no order: the higher priority is sent first.
-        return sorted(rows, key=lambda row: -row["priority"]), claimed
+        return rows, claimed
 
     def recipients(self, rows):
         ids = [row["recipient"] for row in rows if row["recipient"] is not None and (
