@@ -331,6 +331,10 @@ _SQL = {
         # The domain of an address (after its first @), lower-cased.
         "address_domain": "lower(substr({expr}, instr({expr}, '@') + 1))",
         "table_exists": "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+        # A lock on two 32-bit numbers until the transaction ends, or false
+        # at once when another transaction holds it.  Always true here: BEGIN
+        # IMMEDIATE already excludes every other writer.
+        "try_xact_lock": "(coalesce({high}, {low}) IS NOT NULL)",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -365,6 +369,9 @@ _SQL = {
         "address_domain": "lower(split_part({expr}, '@', 2))",
         "table_exists": "SELECT 1 FROM information_schema.tables "
                         "WHERE table_schema = current_schema() AND table_name = ?",
+        # The two-number advisory locks: a key space apart from the one-number
+        # locks of imports and schema changes.
+        "try_xact_lock": "pg_try_advisory_xact_lock({high}, {low})",
     },
 }
 
@@ -469,19 +476,26 @@ def _pragma(conn, name, value, wait=30.0):
 
 
 @contextlib.contextmanager
-def transaction(conn):
+def transaction(conn, first=None):
     """Run the block as one transaction (a savepoint when already in one).
 
     On SQLite ``BEGIN IMMEDIATE`` takes the write lock up front, so two
     writers queue on busy_timeout instead of failing halfway with 'database is
     locked'.  On PostgreSQL a plain ``BEGIN``: writers that must not overlap
     lock the rows they change.
+
+    ``first``: ``(sql, params)``, the transaction's first statement, sent with
+    its BEGIN (one round trip on PostgreSQL); the block gets its cursor
+    instead of the connection.  Statements the block leaves in
+    ``conn.at_commit`` (``[(sql, params)]``; only in the outermost
+    transaction) go with the COMMIT the same way: writes that cannot fail
+    for the rows they meet (they were locked or written earlier in it).
     """
     if conn.in_transaction:
         name = "sp_" + secrets.token_hex(4)
         conn.execute(f"SAVEPOINT {name}")
         try:
-            yield conn
+            yield conn if first is None else conn.execute(*first)
         except BaseException:
             conn.execute(f"ROLLBACK TO {name}")
             conn.execute(f"RELEASE {name}")
@@ -490,13 +504,14 @@ def transaction(conn):
         return
     conn.take_turn()
     try:
-        conn.execute(conn.sql["begin"])
+        opened = conn.begin_transaction(first)
         try:
-            yield conn
+            yield conn if first is None else opened
         except BaseException:
+            conn.at_commit = ()
             conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        conn.commit_transaction()
     finally:
         conn.give_turn()
 
@@ -643,6 +658,35 @@ class _SqliteConnection(sqlite3.Connection):
     #: process writes (_ChildReader): SQLite writes in this process, and only
     #: a second process overlaps the reading (Python, under the GIL) with it.
     forks_reader = hasattr(os, "fork")
+    #: A read is a call in this process, where a write waits for the
+    #: database's one write lock: look before writing (an Idempotency-Key's
+    #: repeat is answered without waiting for the lock).
+    cheap_reads = True
+    #: Statements to run just before the COMMIT of transaction().
+    at_commit = ()
+
+    def begin_transaction(self, first=None):
+        """transaction()'s BEGIN, then ``first`` ``(sql, params)``: its cursor."""
+        self.execute(self.sql["begin"])
+        return None if first is None else self._opening(first)
+
+    def _opening(self, first):
+        try:
+            return self.execute(*first)
+        except BaseException:
+            self.execute("ROLLBACK")
+            raise
+
+    def commit_transaction(self):
+        """transaction()'s COMMIT, after the statements of ``at_commit``."""
+        last, self.at_commit = self.at_commit, ()
+        try:
+            for statement in last:
+                self.execute(*statement)
+        except BaseException:
+            self.execute("ROLLBACK")
+            raise
+        self.execute("COMMIT")
     #: This process's writers of the database (_WriteTurns; connect() sets
     #: it), and how long one waits for its turn (seconds, as busy_timeout).
     turns, turn_wait, _turn_taken = None, 30.0, False
@@ -837,6 +881,31 @@ class _PgRow:
         return f"<row {dict(zip(self._names, self._values))!r}>"
 
 
+@functools.lru_cache(maxsize=2048)
+def _pg_rows_of(text):
+    """psycopg's row factory for the results of the statement ``text``: the
+    row maker is made once and kept while the result has the same shape
+    (psycopg's ``description`` builds a Column object per column per call,
+    and reading every column's name back costs nearly as much: together a
+    third of a small query's CPU).  The shape of one statement's result
+    changes only with the schema; the number of columns and the last one's
+    name and type tell a column added or dropped (a prepared statement's
+    result cannot change at all: PostgreSQL refuses to run it)."""
+    known = [(None, None)]   # (shape, maker), replaced whole: threads share it
+
+    def factory(cursor):
+        result = cursor.pgresult
+        if result is None:
+            return _pg_row_factory(cursor)
+        last = result.nfields - 1
+        shape = (last, result.fname(last), result.ftype(last)) if last >= 0 else ()
+        entry = known[0]
+        if entry[0] != shape:
+            entry = known[0] = (shape, _pg_row_factory(cursor))
+        return entry[1]
+    return factory
+
+
 def _pg_row_factory(cursor):
     names = tuple(column.name for column in cursor.description or ())
     index = {}
@@ -919,15 +988,47 @@ class _PgCursor:
         # as iterated rather than all at once.
         self._cursor = conn.raw.cursor(name=name) if name else conn.raw.cursor()
 
-    def _prepare(self):
+    def _prepare(self, text):
         import psycopg.rows
 
-        self._cursor.row_factory = self.row_factory or psycopg.rows.tuple_row
+        self._cursor.row_factory = (_pg_rows_of(text) if self.row_factory is _pg_row_factory
+                                    else self.row_factory or psycopg.rows.tuple_row)
 
     def execute(self, sql, params=()):
         text, order, returning, commit = _pg_statement(sql)
-        self._prepare()
+        self._prepare(text)
         self._cursor.execute(text, _pg_params(params, order))
+        return self._received(returning, commit)
+
+    def together(self, statements):
+        """See _PgConnection._together(): this cursor holds the last's result.
+        A statement with values runs as a prepared statement of the session
+        (``EXECUTE name (values)``), planned once, as psycopg's own
+        statements are after a few runs."""
+        import psycopg
+
+        conn = self.connection
+        texts, literal = [], psycopg.ClientCursor(conn.raw)
+        for sql, params in statements:
+            text, order, returning, commit = _pg_statement(sql)
+            values = _pg_params(params, order)
+            if values:
+                name = conn.prepared.get(text)
+                if name is None:   # a session's prepared statement outlives a rollback
+                    name = f"campaignapi_{len(conn.prepared)}"
+                    numbers = itertools.count(1)
+                    conn.raw.execute(f"PREPARE {name} AS " + re.sub(
+                        "%[%s]", lambda m: "%" if m[0] == "%%" else f"${next(numbers)}", text))
+                    conn.prepared[text] = name
+                text = f"EXECUTE {name} ({', '.join(['%s'] * len(values))})"
+            texts.append(literal.mogrify(text, values))
+        self._cursor.row_factory = self.row_factory or psycopg.rows.tuple_row
+        self._cursor.execute(";\n".join(texts))   # no parameters: the simple protocol
+        while self._cursor.nextset():
+            pass
+        return self._received(returning, commit)
+
+    def _received(self, returning, commit):
         if returning:
             rows = self._cursor.fetchall()
             self.lastrowid = rows[-1][0] if rows else None
@@ -943,7 +1044,7 @@ class _PgCursor:
 
     def executemany(self, sql, seq_of_params):
         text, order, _, _ = _pg_statement(sql)
-        self._prepare()
+        self._prepare(text)
         self._cursor.executemany(text, [_pg_params(params, order) for params in seq_of_params])
         return self
 
@@ -980,9 +1081,49 @@ class _PgConnection:
     #: The COPY stream already overlaps reading and writing (the server
     #: stores a chunk while the next one is read): no reading child.
     forks_reader = False
+    #: Every statement is a round trip to the server: write without looking
+    #: first where the write tells what it found.
+    cheap_reads = False
+    #: Statements sent with the COMMIT of transaction().
+    at_commit = ()
+
+    def begin_transaction(self, first=None):
+        """transaction()'s BEGIN, and ``first`` ``(sql, params)`` with it in
+        one round trip: its cursor."""
+        if first is None:
+            self.execute(self.sql["begin"])
+            return None
+        return self._together([(self.sql["begin"], ()), first])
+
+    def commit_transaction(self):
+        """transaction()'s COMMIT, and the statements of ``at_commit`` before
+        it in the same round trip."""
+        last, self.at_commit = self.at_commit, ()
+        if not last:
+            self.execute("COMMIT")
+            return
+        self._together([*last, ("COMMIT", ())])
+
+    def _together(self, statements):
+        """``statements`` ``[(sql, params)]`` as one query of several (the
+        simple protocol, its values written in as literals by psycopg), so
+        one round trip: the cursor of the last.  One that fails stops those
+        after it, and the transaction they are in is rolled back.  (psycopg's
+        pipeline mode also sends them together, but took more time than the
+        round trips it saved: a wait per statement.)"""
+        self._settle(statements[0][0])
+        cursor = _PgCursor(self)
+        try:
+            return cursor.together(statements)
+        except BaseException:
+            if self.in_transaction:
+                self.execute("ROLLBACK")
+            raise
 
     def __init__(self, raw):
         self.raw = raw
+        # {statement: name} of the statements _together() prepared.
+        self.prepared = {}
         # A COPY that an import keeps open from chunk to chunk (_CopyStream):
         # the function that ends it, run before the connection does anything
         # else, since nothing else can run while it is open.
@@ -3094,13 +3235,19 @@ def _loggable_path(path, raw_ids):
 #
 # A PUT or POST with ``Idempotency-Key: K`` is done once (the IETF draft's
 # header, as Stripe keeps it).  The pipeline claims K in the database before
-# the handler runs: a committed row, so every thread, process and host sees
-# it, and of two requests with one key exactly one inserts it.  The 2xx
-# answer is then kept on that row in the request's own transaction, so its
-# writes and the kept answer commit together or not at all; a request that
-# fails (or answers anything but 2xx) removes its claim, and the key may be
-# used again.  Routes that do not run as one transaction (the public writes,
-# a bounce report) keep their answer right after the handler.
+# the handler runs: a row, so every thread, process and host sees it, and of
+# two requests with one key exactly one inserts it.  A route that runs as one
+# transaction claims K in that transaction, and keeps its 2xx answer on the
+# row there too: the claim, the writes and the kept answer commit together or
+# not at all, with no commit of their own (on PostgreSQL two round trips more
+# than without a key, not five and a commit).  While that transaction is
+# open, the claim's transaction lock (try_xact_lock, on the key's hash) tells
+# a repeat that the first still runs: 409 at once, never a wait for its row.
+# Routes that do not run as one transaction (an import, which commits as it
+# goes; the public writes; a bounce report) claim K in a transaction of its
+# own first, and keep their answer right after the handler.  A request that
+# fails (or answers anything but 2xx) leaves or removes no claim, and the key
+# may be used again.
 
 #: An Idempotency-Key: 1 to 255 visible ASCII characters, on these methods.
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
@@ -3144,49 +3291,112 @@ class _Keyed:
             f"client:{environ.get('REMOTE_ADDR', '')}"
         return cls(scope, key, request)
 
-    def claim(self, conn):
-        """Claim the key for this request: None, the handler may run.  A
-        repeat gets the kept answer (_Kept), or 409 while the first runs; the
-        key with another request, 422.  Looked up before the claim is written,
-        so a repeat never waits for the write lock (SQLite's) to be answered."""
-        now, token = _now(), secrets.token_hex(16)
-        expired, abandoned = _shift(now, -_KEY_KEPT), _shift(now, -_KEY_LEASE)
-        for _ in range(3):   # a claim removed or taken over meanwhile: look again
-            row = conn.execute("SELECT request, status, answer, created FROM idempotency_key "
-                               "WHERE scope = ? AND key = ?", (self.scope, self.key)).fetchone()
-            if row is not None and row[3] >= (abandoned if row[1] is None else expired):
-                if row[0] != self.request:
-                    raise IdempotencyKeyReused(
-                        "This Idempotency-Key was used for another request (method, path or "
-                        "body) in the last 24 hours: send a new key for a new request.",
-                        field="Idempotency-Key")
-                if row[1] is None:
-                    break
-                return _Kept(row[1], json.loads(row[2]))
-            with transaction(conn):
-                if conn.execute(
-                        "INSERT INTO idempotency_key (scope, key, request, token, created) "
-                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, key) DO UPDATE SET "
-                        "request = excluded.request, token = excluded.token, status = NULL, "
-                        "answer = NULL, created = excluded.created "
-                        "WHERE idempotency_key.created < ? OR (idempotency_key.status IS NULL "
-                        "AND idempotency_key.created < ?)",
-                        (self.scope, self.key, self.request, token, now, expired,
-                         abandoned)).rowcount:
-                    self.token = token
-                    return None
+    def look(self, conn):
+        """Before the request's transaction, where reads are cheap (SQLite):
+        the kept answer of a repeat (_Kept), 409 while the first runs, 422
+        for the key with another request; None when the key is free or
+        expired.  So a repeat never waits for the write lock to be answered."""
+        if conn.cheap_reads:
+            return self._answer(conn.execute(
+                "SELECT request, status, answer, created FROM idempotency_key "
+                "WHERE scope = ? AND key = ?", (self.scope, self.key)).fetchone())
+        return None
+
+    def _answer(self, row):
+        """The key's row ``(request, status, answer, created)`` as look()
+        answers; None without a live one."""
+        if row is None or row[0] is None or row[3] < _shift(
+                _now(), -(_KEY_LEASE if row[1] is None else _KEY_KEPT)):
+            return None
+        if row[0] != self.request:
+            raise IdempotencyKeyReused(
+                "This Idempotency-Key was used for another request (method, path or "
+                "body) in the last 24 hours: send a new key for a new request.",
+                field="Idempotency-Key")
+        if row[1] is None:
+            raise self._running()
+        return _Kept(row[1], json.loads(row[2]))
+
+    @staticmethod
+    def _running():
         error = Conflict("A request with this Idempotency-Key is still running: ask again "
                          "in a moment for its answer.", field="Idempotency-Key")
         error.headers["Retry-After"] = str(_KEY_RETRY_AFTER)
-        raise error
+        return error
 
-    def keep(self, conn, outcome):
+    def _lock(self, conn):
+        """The key's transaction lock as SQL (try_xact_lock) and its values."""
+        digest = hashlib.sha256(f"{self.scope}\n{self.key}".encode()).digest()
+        return (conn.sql["try_xact_lock"].format(high="?", low="?"),
+                (int.from_bytes(digest[:4], "big", signed=True),
+                 int.from_bytes(digest[4:8], "big", signed=True)))
+
+    def looking(self, conn):
+        """The first statement ``(sql, params)`` of a request that claims
+        its key in its own transaction: the key's lock, held until the
+        transaction ends, and its row (see locked())."""
+        lock, values = self._lock(conn)
+        return (f"SELECT {lock}, k.request, k.status, k.answer, k.created FROM (SELECT 1) one "
+                "LEFT JOIN idempotency_key k ON k.scope = ? AND k.key = ?",
+                (*values, self.scope, self.key))
+
+    def locked(self, row):
+        """After looking(): None, the handler may run (its keep() writes the
+        claim with the answer); a repeat's kept answer, or 409 and 422 as in
+        look().  Not locked: another transaction with the key is open."""
+        if not row[0]:
+            raise self._running()
+        return self._answer(row[1:])
+
+    def claim(self, conn):
+        """Claim the key for this request in a transaction of its own,
+        committed before the handler runs: None, the handler may run; else
+        as look()."""
+        lock, values = self._lock(conn)
+        for _ in range(3):   # a claim removed or taken over meanwhile: look again
+            now, token = _now(), secrets.token_hex(16)
+            claiming = (
+                "INSERT INTO idempotency_key (scope, key, request, token, created) "
+                f"SELECT ?, ?, ?, ?, ? WHERE {lock} {self._TAKE_OVER}",
+                (self.scope, self.key, self.request, token, now, *values,
+                 _shift(now, -_KEY_KEPT), _shift(now, -_KEY_LEASE)))
+            with transaction(conn, first=claiming) as claimed:   # one round trip with BEGIN
+                pass
+            if claimed.rowcount:
+                self.token = token
+                return None
+            # Not claimed: the key's live row, or a transaction that holds
+            # its lock (a request with it still runs, its row unseen).
+            kept = self._answer(conn.execute(
+                "SELECT request, status, answer, created FROM idempotency_key "
+                "WHERE scope = ? AND key = ?", (self.scope, self.key)).fetchone())
+            if kept is not None:
+                return kept
+        raise self._running()
+
+    #: A new claim takes over an expired answer or an abandoned claim.
+    _TAKE_OVER = ("ON CONFLICT (scope, key) DO UPDATE SET request = excluded.request, "
+                  "token = excluded.token, status = excluded.status, answer = excluded.answer, "
+                  "created = excluded.created WHERE idempotency_key.created < ? OR "
+                  "(idempotency_key.status IS NULL AND idempotency_key.created < ?)")
+
+    def keep(self, conn, outcome, at_commit=False):
         """Keep ``outcome`` on the claim, in the caller's transaction, when
-        it is a 2xx answer; False when it is not (release() the claim)."""
+        it is a 2xx answer; False when it is not (release() the claim).
+        ``at_commit``: after looking() in this transaction, which holds the
+        key's lock: the claim is written here, with the answer, and goes
+        with the COMMIT (conn.at_commit)."""
         kept = _Kept.of(outcome)
         if kept is None:
             return False
-        if not conn.execute(
+        if at_commit:
+            now = _now()
+            conn.at_commit = [*conn.at_commit, (
+                "INSERT INTO idempotency_key (scope, key, request, token, status, answer, "
+                f"created) VALUES (?, ?, ?, ?, ?, ?, ?) {self._TAKE_OVER}",
+                (self.scope, self.key, self.request, secrets.token_hex(16), kept.status,
+                 _to_json(kept.answer), now, _shift(now, -_KEY_KEPT), _shift(now, -_KEY_LEASE)))]
+        elif not conn.execute(
                 "UPDATE idempotency_key SET status = ?, answer = ? "
                 "WHERE scope = ? AND key = ? AND token = ?",
                 (kept.status, _to_json(kept.answer), self.scope, self.key, self.token)).rowcount:
@@ -3352,17 +3562,24 @@ class _Service:
             keyed = _Keyed.of(route.method, request.environ, account, self.config["max_body"])
             params = _parse_params(route, request.environ, self.config["max_body"])
             call = _Call(conn, account, params, self, response_id)
-            kept = keyed and keyed.claim(conn)
+            # A key is claimed in the route's own transaction where it runs
+            # as one (see _Keyed), else in a transaction of its own first.
+            inside = route.writes and not route.later
+            kept = keyed and (keyed.look(conn) or (None if inside else keyed.claim(conn)))
             if kept:
                 return self.finish(response_id, started, kept, raw_ids)
             if route.later:
                 outcome = route.run(call, ids)
                 self.intake.take(call)
             elif route.writes:
-                with transaction(conn):
-                    outcome = route.run(call, ids)
-                    if keyed:   # the answer commits with the writes, or neither does
-                        keyed.keep(conn, outcome)
+                with transaction(conn, first=keyed and keyed.looking(conn)) as looked:
+                    kept = keyed and keyed.locked(looked.fetchone())
+                    if not kept:
+                        outcome = route.run(call, ids)
+                        if keyed:   # the answer commits with the writes, or neither does
+                            keyed.keep(conn, outcome, at_commit=True)
+                if kept:
+                    return self.finish(response_id, started, kept, raw_ids)
             else:
                 outcome = route.run(call, ids)
             if keyed and keyed.token and not keyed.kept:

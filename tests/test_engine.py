@@ -130,6 +130,36 @@ def test_transaction_commits_and_rolls_back(conn):
     assert emails == ["kept@example.com"]
 
 
+def test_a_transactions_first_and_last_statements_go_with_begin_and_commit(conn):
+    # transaction(first=...) gives the first statement's cursor; what the
+    # block leaves in conn.at_commit runs before the COMMIT, in it (on
+    # PostgreSQL each pair is one round trip, its values written in as
+    # literals: quotes, a percent sign and a question mark stay text).
+    odd = "it's 100% ?ok"
+    with campaignapi.transaction(conn, first=(
+            "SELECT count(*), ? FROM account WHERE email = ?", (odd, odd))) as first:
+        assert tuple(first.fetchone()) == (0, odd)
+        _account(conn, "kept@example.com")
+        conn.at_commit = [("UPDATE account SET email = ? WHERE email = ?",
+                           (odd + "@example.com", "kept@example.com"))]
+    assert not conn.in_transaction and not conn.at_commit
+    assert [row[0] for row in conn.execute("SELECT email FROM account")] == [odd + "@example.com"]
+    # A last statement that fails rolls the whole transaction back.
+    with pytest.raises(campaignapi.INTEGRITY_ERRORS):
+        with campaignapi.transaction(conn, first=("SELECT 1", ())):
+            _account(conn, "lost@example.com")
+            conn.at_commit = [("INSERT INTO account (email) VALUES (?)", (None,))]
+    assert not conn.in_transaction and not conn.at_commit
+    assert [row[0] for row in conn.execute("SELECT email FROM account")] == [odd + "@example.com"]
+    # A first statement that fails leaves no transaction open.
+    with pytest.raises(campaignapi.INTEGRITY_ERRORS):
+        with campaignapi.transaction(conn, first=("INSERT INTO account (email) VALUES (?)",
+                                                  (None,))):
+            pass
+    assert not conn.in_transaction
+    assert conn.execute("SELECT count(*) FROM account").fetchone()[0] == 1
+
+
 def test_nested_transaction_is_a_savepoint(conn):
     with campaignapi.transaction(conn):
         _account(conn, "outer@example.com")

@@ -234,6 +234,61 @@ def test_a_repeat_while_the_first_runs_is_409_with_retry_after(db):
     assert scalar(db, "SELECT count(*) FROM import") == 1
 
 
+def test_concurrent_repeats_of_a_create_make_one_record(db):
+    # A create runs as one transaction, which claims the key itself (no
+    # claim committed first): still one effect, the others replayed or 409.
+    secret = campaignapi.create_key(db, "owner@example.com")
+    app = campaignapi.create_app(db)
+    with serving(app, threads=8) as base:
+        for round_number in range(3):
+            results = concurrent_repeats([base], secret, "/message/0", MESSAGE,
+                                         f"create-once-{round_number}", 8)
+            check_one_effect(results)
+    assert scalar(db, "SELECT count(*) FROM message") == 3
+    assert scalar(db, "SELECT count(*) FROM idempotency_key WHERE status = 200") == 3
+
+
+@pytest.mark.skipif(os.environ.get("CAMPAIGNAPI_TEST_ENGINE") != "postgresql",
+                    reason="on SQLite the repeat waits for the first's write lock "
+                           "(CAMPAIGNAPI_TEST_ENGINE=postgresql)")
+def test_a_repeat_while_the_first_transaction_is_open_is_409_at_once(db):
+    # The first request holds its key's lock inside its transaction, where
+    # it waits for a row another transaction holds: a repeat is answered 409
+    # without waiting, and after the first ends it gets the first's answer.
+    secret = campaignapi.create_key(db, "owner@example.com")
+    app = campaignapi.create_app(db)
+    headers = {"Authorization": f"Bearer {secret}", "Idempotency-Key": "change-1"}
+    with serving(app, threads=4) as base:
+        message = json.loads(http(base + "/v1/message/0", "PUT", MESSAGE, {
+            "Authorization": f"Bearer {secret}"})[2])["data"]["id"]
+        change = {"name": "Renamed"}
+        first = []
+        with database(db) as holder:
+            holder.execute("BEGIN")
+            holder.execute("SELECT id FROM message WHERE id = ? FOR UPDATE", (message,))
+            thread = threading.Thread(target=lambda: first.append(http(
+                base + f"/v1/message/{message}", "POST", change, headers, timeout=60)))
+            thread.start()
+            try:
+                wait_for(lambda: scalar(db, "SELECT count(*) FROM pg_stat_activity "
+                                            "WHERE wait_event_type = 'Lock'") == 1,
+                         timeout=30, what="the first request to wait for the row")
+                status, answer_headers, raw = http(base + f"/v1/message/{message}", "POST",
+                                                   change, headers, timeout=30)
+                assert status == 409, raw
+                assert answer_headers["Retry-After"] == "1"
+                assert not first   # it is still waiting: the repeat did not wait for it
+            finally:
+                holder.execute("ROLLBACK")
+                thread.join(60)
+        assert first and first[0][0] == 200, first
+        status, answer_headers, raw = http(base + f"/v1/message/{message}", "POST", change,
+                                           headers)
+        assert status == 200 and answer_headers["Idempotent-Replayed"] == "true"
+        assert json.loads(raw)["data"] == json.loads(first[0][2])["data"]
+    assert scalar(db, "SELECT count(*) FROM idempotency_key") == 1
+
+
 @pytest.mark.skipif(os.environ.get("CAMPAIGNAPI_TEST_ENGINE") != "postgresql",
                     reason="two API processes share a PostgreSQL database "
                            "(CAMPAIGNAPI_TEST_ENGINE=postgresql)")
