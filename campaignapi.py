@@ -1008,7 +1008,9 @@ class _PgCursor:
         import psycopg
 
         conn = self.connection
-        texts, literal = [], psycopg.ClientCursor(conn.raw)
+        if conn.literal is None:
+            conn.literal = psycopg.ClientCursor(conn.raw)
+        texts, literal = [], conn.literal
         for sql, params in statements:
             text, order, returning, commit = _pg_statement(sql)
             values = _pg_params(params, order)
@@ -1022,10 +1024,13 @@ class _PgCursor:
                     conn.prepared[text] = name
                 text = f"EXECUTE {name} ({', '.join(['%s'] * len(values))})"
             texts.append(literal.mogrify(text, values))
-        self._cursor.row_factory = self.row_factory or psycopg.rows.tuple_row
+        # Rows as tuples for the results before the last, read over; the
+        # last's rows as execute() makes them, the maker kept by its statement.
+        self._cursor.row_factory = psycopg.rows.tuple_row
         self._cursor.execute(";\n".join(texts))   # no parameters: the simple protocol
-        while self._cursor.nextset():
-            pass
+        for _ in statements[1:]:
+            self._cursor.nextset()
+        self._prepare(_pg_statement(statements[-1][0])[0])
         return self._received(returning, commit)
 
     def _received(self, returning, commit):
@@ -1122,8 +1127,9 @@ class _PgConnection:
 
     def __init__(self, raw):
         self.raw = raw
-        # {statement: name} of the statements _together() prepared.
-        self.prepared = {}
+        # {statement: name} of the statements _together() prepared, and the
+        # client-side cursor that writes their values in.
+        self.prepared, self.literal = {}, None
         # A COPY that an import keeps open from chunk to chunk (_CopyStream):
         # the function that ends it, run before the connection does anything
         # else, since nothing else can run while it is open.
@@ -1675,7 +1681,8 @@ def _today():
 
 
 def _shift(moment_text, seconds):
-    moment = datetime.datetime.strptime(moment_text, "%Y-%m-%d %H:%M:%S")
+    # fromisoformat: the same text, parsed in C (strptime took 50 us).
+    moment = datetime.datetime.fromisoformat(moment_text)
     return (moment + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S")
 
 

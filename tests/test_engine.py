@@ -137,8 +137,9 @@ def test_a_transactions_first_and_last_statements_go_with_begin_and_commit(conn)
     # literals: quotes, a percent sign and a question mark stay text).
     odd = "it's 100% ?ok"
     with campaignapi.transaction(conn, first=(
-            "SELECT count(*), ? FROM account WHERE email = ?", (odd, odd))) as first:
-        assert tuple(first.fetchone()) == (0, odd)
+            "SELECT count(*) AS n, ? AS odd FROM account WHERE email = ?", (odd, odd))) as first:
+        row = first.fetchone()
+        assert (row["n"], row["odd"]) == (0, odd)
         _account(conn, "kept@example.com")
         conn.at_commit = [("UPDATE account SET email = ? WHERE email = ?",
                            (odd + "@example.com", "kept@example.com"))]
