@@ -331,6 +331,12 @@ _SQL = {
         # The domain of an address (after its first @), lower-cased.
         "address_domain": "lower(substr({expr}, instr({expr}, '@') + 1))",
         "table_exists": "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+        # The indexes of a table (given as ?) that queries can use, by name;
+        # an index made or dropped while the database is in use (the field
+        # indexes of segment conditions, see _index_conditioned_fields()).
+        "table_indexes": "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?",
+        "create_index": "CREATE INDEX IF NOT EXISTS {name} ON {table} ({columns})",
+        "drop_index": "DROP INDEX IF EXISTS {name}",
     },
     "postgresql": {
         "begin": "BEGIN",                  # concurrency from row locks, not a database lock
@@ -365,6 +371,15 @@ _SQL = {
         "address_domain": "lower(split_part({expr}, '@', 2))",
         "table_exists": "SELECT 1 FROM information_schema.tables "
                         "WHERE table_schema = current_schema() AND table_name = ?",
+        # Valid ones only: a CONCURRENTLY build that failed leaves an invalid
+        # index, which the next build drops first.
+        "table_indexes": "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = "
+                         "i.indexrelid JOIN pg_class t ON t.oid = i.indrelid WHERE t.relname = ? "
+                         "AND t.relnamespace = CAST(current_schema() AS regnamespace) "
+                         "AND i.indisvalid",
+        # Writers of the table go on while it is built (outside a transaction).
+        "create_index": "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} ({columns})",
+        "drop_index": "DROP INDEX CONCURRENTLY IF EXISTS {name}",
     },
 }
 
@@ -6691,13 +6706,32 @@ TEMPLATE = Resource("template", "template", _plain_record, columns="name:str htm
 _SEGMENT_OPS = ("eq", "ne", "contains", "startswith", "gt", "lt", "empty", "notempty")
 
 
-def _condition_sql(conn, column, kind, op, value, typed_column=None):
+#: The ops whose condition on a field an index of the field serves (see
+#: _index_conditioned_fields()): they compare _field_columns()' ``compared``.
+_INDEXED_OPS = ("eq", "gt", "lt")
+
+
+def _field_columns(conn, field_id, kind, json="r.data"):
+    """``(column, compared)``: SQL for a field's value in the JSON ``json`` of
+    a recipient: as text (on PostgreSQL), and as eq, ne, gt and lt compare it
+    (lower-cased text; a number for numbers and yes/no).  A field's index
+    indexes ``compared`` of ``json="data"``, which is the same expression."""
+    column = conn.sql["json_value"].format(json=json, key=int(field_id))
+    if kind in ("integer", "number", "boolean"):
+        return column, conn.sql["json_number"].format(json=json, key=int(field_id))
+    return column, f"lower({column})" if kind in ("text", "email") else column
+
+
+def _condition_sql(conn, column, kind, op, value, compared=None):
     """SQL for one condition on one column expression, and its parameters.
 
     ``column`` is SQL we build from field ids, never request text, giving the
-    value as text on PostgreSQL; ``typed_column`` (default ``column``) gives
-    it as its field's type (a number, for numbers and yes/no).  The value is
-    always a parameter, converted to the field's type so comparisons are typed.
+    value as text on PostgreSQL; ``compared`` (default: ``column``, lower-cased
+    for text) is what eq, ne, gt and lt compare (see _field_columns()).  The
+    value is always a parameter, converted to the field's type so comparisons
+    are typed.  eq is ``=`` (not IS NOT DISTINCT FROM, which PostgreSQL's
+    indexes cannot serve): a segment's WHERE never negates a condition, so a
+    NULL there excludes the row as false does.
     """
     if op == "empty":
         return f"({column} IS NULL OR {column} = '')", ()
@@ -6715,14 +6749,15 @@ def _condition_sql(conn, column, kind, op, value, typed_column=None):
         # of its new type equals this one (so only 'ne' holds), none is above
         # or below it.  Never an error: sizes, verify and sending must go on.
         return ("(1 = 1)" if op == "ne" else "(1 = 0)"), ()
-    column = typed_column or column
+    if compared is None:
+        compared = f"lower({column})" if kind in ("text", "email") else column
     if kind in ("text", "email") and typed is not None:
-        column, typed = f"lower({column})", str(typed).lower()
+        typed = str(typed).lower()
     if op == "eq":
-        return f"{column} IS NOT DISTINCT FROM ?", (typed,)
+        return f"{compared} {'IS NOT DISTINCT FROM' if typed is None else '='} ?", (typed,)
     if op == "ne":
-        return f"{column} IS DISTINCT FROM ?", (typed,)
-    return f"{column} {'>' if op == 'gt' else '<'} ?", (typed,)
+        return f"{compared} IS DISTINCT FROM ?", (typed,)
+    return f"{compared} {'>' if op == 'gt' else '<'} ?", (typed,)
 
 
 def _segment_filter(conn, datasources, match, conditions):
@@ -6747,10 +6782,8 @@ def _segment_filter(conn, datasources, match, conditions):
                 sql, args = _condition_sql(conn, "r.email", "email", op, value)
             elif name in fields:
                 field_id, _, kind = fields[name]
-                column = conn.sql["json_value"].format(json="r.data", key=int(field_id))
-                typed = conn.sql["json_number"].format(json="r.data", key=int(field_id)) \
-                    if kind in ("integer", "number", "boolean") else None
-                sql, args = _condition_sql(conn, column, kind, op, value, typed)
+                column, compared = _field_columns(conn, field_id, kind)
+                sql, args = _condition_sql(conn, column, kind, op, value, compared)
             else:
                 sql, args = ("(1 = 1)", ()) if op in ("empty", "ne") else ("(1 = 0)", ())
             tests.append(sql)
@@ -6852,6 +6885,70 @@ def _segment_size(conn, segment):
     many = len(json.loads(segment["datasources"])) > 1
     return conn.execute(f"SELECT {'count(DISTINCT lower(r.email))' if many else 'count(*)'} "
                         f"FROM recipient r WHERE {where}", params).fetchone()[0]
+
+
+#: The name of a field's index: the field and its type (a retyped field's
+#: values compare otherwise, so its index is another).
+_FIELD_INDEX = "recipient_field_{field}_{kind}"
+
+
+def _wanted_field_indexes(conn):
+    """``{index name: columns}``: an index for each field that a condition of
+    a live segment compares with eq, gt or lt, in each live datasource of the
+    segment that has the field."""
+    wanted = {}
+    for datasources, conditions in conn.execute(
+            "SELECT datasources, conditions FROM segment WHERE deleted = 0 "
+            "AND conditions != '[]'").fetchall():
+        names = {condition["field"].lower() for condition in json.loads(conditions)
+                 if condition["op"] in _INDEXED_OPS}
+        if not names - {"email"}:
+            continue
+        for field_id, kind in conn.execute(
+                "SELECT f.id, f.type FROM field f JOIN datasource d ON d.id = f.datasource "
+                f"WHERE d.deleted = 0 AND f.datasource IN ({conn.sql['json_ids'].format(array='?')}) "
+                f"AND f.name IN ({conn.sql['json_addresses'].format(array='?')})",
+                (datasources, json.dumps(sorted(names)))).fetchall():
+            _, compared = _field_columns(conn, field_id, kind, json="data")
+            # With the datasource and status a segment's WHERE has, a count is
+            # read from the index alone.  The value before the status: so a
+            # query on (datasource, status) alone takes the indexes made for
+            # it (recipient_status, recipient_non_ascii), never this one.
+            wanted[_FIELD_INDEX.format(field=int(field_id), kind=kind)] = \
+                f"datasource, ({compared}), status"
+    return wanted
+
+
+def _index_conditioned_fields(db, limit=1):
+    """Make the index of a field that a segment's condition compares (eq,
+    gt, lt), and drop those no live segment needs, at most ``limit`` makes
+    per call: the worker runs it (a segment's size, verify, structure and
+    sending then read the rows of the value, not every row's JSON).  Until it
+    has run, the conditions are the same, only slower.  SQLite writes wait
+    while an index is made (about 3 s for a million recipients); PostgreSQL
+    makes it CONCURRENTLY.
+
+    :returns: how many indexes were made or dropped.
+    """
+    conn = connect(db)
+    try:
+        wanted = _wanted_field_indexes(conn)
+        prefix = _FIELD_INDEX.split("{", 1)[0]
+        present = {row[0] for row in conn.execute(conn.sql["table_indexes"], ("recipient",))
+                   if row[0].startswith(prefix)}
+        changed = 0
+        for name in sorted(present - set(wanted)):
+            conn.execute(conn.sql["drop_index"].format(name=name))
+            changed += 1
+        for name in sorted(set(wanted) - present)[:limit]:
+            # Dropped first: an invalid one a failed build left (PostgreSQL).
+            conn.execute(conn.sql["drop_index"].format(name=name))
+            conn.execute(conn.sql["create_index"].format(name=name, table="recipient",
+                                                         columns=wanted[name]))
+            changed += 1
+        return changed
+    finally:
+        conn.close()
 
 
 def _segment_record(call, row):
@@ -7481,9 +7578,16 @@ def _verify_non_ascii(c):
     notes = []
     for segment in c.segments.values():
         where, params = _segment_query(c.conn, segment)
+        # The few such rows first, from their partial index (recipient_non_ascii);
+        # given the segment's WHERE at once, the planner takes the index of a
+        # field its condition compares and reads every row of that value.
         count, example = c.conn.execute(
-            f"SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r WHERE {where} "
-            f"AND {c.conn.sql['non_ascii'].format(expr='r.email')}", params).fetchone()
+            "WITH odd AS MATERIALIZED (SELECT id FROM recipient WHERE status = 'active' AND "
+            f"datasource IN ({c.conn.sql['json_ids'].format(array='?')}) AND "
+            f"{c.conn.sql['non_ascii'].format(expr='email')}) "
+            "SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r "
+            f"WHERE r.id IN (SELECT id FROM odd) AND {where}",
+            (segment["datasources"], *params)).fetchone()
         if count:
             notes.append(f"{_label('segment', segment).capitalize()} holds {count} address(es) "
                          f"with non-ASCII characters (such as {example}).")
@@ -13077,6 +13181,9 @@ class _Courier:
 #: priority (transactional emails) queued since it claimed the chunk.
 _PRIORITY_LOOK = 0.2
 
+#: Seconds between the worker's looks for field indexes to make or drop.
+_INDEX_INTERVAL = 10
+
 
 def _take_back(conn, now, stale_claim):
     """Inside a transaction: the rows of leases not renewed since ``now -
@@ -13599,6 +13706,10 @@ def _deliver_outbox(worker):
     return counts["sent"] + counts["failed"] + counts["retried"] > 0
 
 
+def _index_fields(worker):
+    return _index_conditioned_fields(worker.db) > 0
+
+
 def _advance_automations(worker):
     return advance_runs(worker.db, on_event=worker.on_event,
                         templates_dir=worker.templates_dir) > 0
@@ -13639,6 +13750,9 @@ _WORKER_STEPS = (
     _Step("batches", _purge_unconfirmed),   # sign-ups never confirmed expire
     _Step("batches", _purge_keys),   # Idempotency-Key answers expire after 24 hours
     _Step("webhooks", _deliver_events),
+    # Indexes of the fields segment conditions compare: made (one a round)
+    # and dropped in a thread of their own, as making one takes a while.
+    _Step("indexes", _index_fields, every=_INDEX_INTERVAL),
     _Step("delivery", _deliver_outbox, needs="smtp", every=_PRIORITY_LOOK),
     _Step("bounces", _fetch_bounces, needs="bounce_mailbox", every=_MAILBOX_INTERVAL),
     _Step("automations", _advance_automations),
