@@ -6865,15 +6865,34 @@ def _segment_values(call, row):
     return values
 
 
-def _segment_query(conn, segment):
-    """``(where, params)`` over ``recipient r`` for a segment row: its active
-    recipients, in those of its datasources that are not deleted (and are
-    its account's)."""
-    live = [row[0] for row in conn.execute(
+def _live_datasources(conn, segment):
+    """The ids of a segment row's datasources that are not deleted (and are
+    its account's), in order."""
+    return [row[0] for row in conn.execute(
         "SELECT id FROM datasource WHERE deleted = 0 AND owner = ? AND id IN "
         f"({conn.sql['json_ids'].format(array='?')}) ORDER BY id",
         (segment["owner"], segment["datasources"]))]
+
+
+def _segment_query(conn, segment, live=None):
+    """``(where, params)`` over ``recipient r`` for a segment row: its active
+    recipients, in its live datasources (``live``: _live_datasources(), if
+    known already)."""
+    live = _live_datasources(conn, segment) if live is None else live
     return _segment_filter(conn, live, segment["match"], json.loads(segment["conditions"]))
+
+
+def _segment_members(conn, segment):
+    """_segment_query() for a statement that reads the recipients in address
+    order (a batch's queueing): with conditions, the ids chosen first in a
+    subquery, so its conditions can read their fields' indexes, where the
+    address order alone made SQLite walk the whole datasource (at 10M rows,
+    after the first segment's queueing had filled the WAL: 10 s and more
+    for a segment of an eighth of them)."""
+    where, params = _segment_query(conn, segment)
+    if json.loads(segment["conditions"]):
+        where = f"r.id IN (SELECT r.id FROM recipient r WHERE {where})"
+    return where, params
 
 
 def _segment_size(conn, segment):
@@ -7218,6 +7237,32 @@ def _rows_by_id(conn, table, ids, owner):
         "AND owner = ?", (json.dumps(sorted(set(ids))), owner))}
 
 
+#: Up to this many segments of one datasource, their overlaps are counted a
+#: pair at a time (_segment_pairs()); more, or of several datasources: all
+#: at once by address (_segment_overlaps()).
+_PAIRWISE_SEGMENTS = 4
+
+
+def _segment_pairs(conn, segments, live):
+    """_segment_overlaps() of segments that all select from the one datasource
+    ``live``, where an address is one row (its unique index folds case):
+    a ``count(*)`` of each segment's WHERE and of each pair's WHEREs joined
+    by AND.  Each count can read the indexes of its conditions' fields; at
+    ten million recipients, sorting every address of the segments (what the
+    general way does) took ten times longer than at one million and then
+    twice more (the sort spills to disk)."""
+    wheres = [_segment_query(conn, segment, live) for segment in segments]
+    counts = {}
+    for first, (where, params) in enumerate(wheres):
+        for second in range(first, len(segments)):
+            other, more = wheres[second] if second != first else ("(1 = 1)", ())
+            shared = conn.execute(f"SELECT count(*) FROM recipient r WHERE {where} AND {other}",
+                                  (*params, *more)).fetchone()[0]
+            a, b = segments[first]["id"], segments[second]["id"]
+            counts[a, b] = counts[b, a] = shared
+    return counts
+
+
 def _segment_overlaps(conn, segments):
     """``{(a, b): addresses in both}`` for every pair of the given segment rows,
     ``(a, a)`` being a segment's size; one SQL statement over the recipients.
@@ -7233,10 +7278,14 @@ def _segment_overlaps(conn, segments):
         return {}
     if len(segments) == 1:
         return {(segments[0]["id"],) * 2: _segment_size(conn, segments[0])}
+    lives = [_live_datasources(conn, segment) for segment in segments]
+    if len(segments) <= _PAIRWISE_SEGMENTS and all(
+            len(live) == 1 and live == lives[0] for live in lives):
+        return _segment_pairs(conn, segments, lives[0])
     words = range((len(segments) + 61) // 62)
     parts, params = [], []
     for index, segment in enumerate(segments):
-        where, args = _segment_query(conn, segment)
+        where, args = _segment_query(conn, segment, lives[index])
         masks = ", ".join(f"{1 << index % 62 if word == index // 62 else 0} AS m{word}"
                           for word in words)
         parts.append(f"SELECT {masks}, lower(r.email) AS address FROM recipient r WHERE {where}")
@@ -7571,23 +7620,27 @@ def _verify_segment_definitions(c):
     return problems, "Every segment uses live datasources and fields that exist."
 
 
+def _non_ascii_sql(conn, segment):
+    """``(sql, params)``: how many addresses of a segment have characters
+    beyond ASCII, and the least of them.  The few such rows first, from their
+    partial index (recipient_non_ascii): given the segment's WHERE at once,
+    the planner may take the index of a field its condition compares and read
+    every row of that value."""
+    where, params = _segment_query(conn, segment)
+    return ("WITH odd AS MATERIALIZED (SELECT id FROM recipient WHERE status = 'active' AND "
+            f"datasource IN ({conn.sql['json_ids'].format(array='?')}) AND "
+            f"{conn.sql['non_ascii'].format(expr='email')}) "
+            "SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r "
+            f"WHERE r.id IN (SELECT id FROM odd) AND {where}", (segment["datasources"], *params))
+
+
 @_verify_check("non_ascii_addresses")
 def _verify_non_ascii(c):
     """A warning, never a failure: whether such an address can be sent
     depends on the relay (SMTPUTF8), which is known only when sending."""
     notes = []
     for segment in c.segments.values():
-        where, params = _segment_query(c.conn, segment)
-        # The few such rows first, from their partial index (recipient_non_ascii);
-        # given the segment's WHERE at once, the planner takes the index of a
-        # field its condition compares and reads every row of that value.
-        count, example = c.conn.execute(
-            "WITH odd AS MATERIALIZED (SELECT id FROM recipient WHERE status = 'active' AND "
-            f"datasource IN ({c.conn.sql['json_ids'].format(array='?')}) AND "
-            f"{c.conn.sql['non_ascii'].format(expr='email')}) "
-            "SELECT count(DISTINCT lower(r.email)), min(r.email) FROM recipient r "
-            f"WHERE r.id IN (SELECT id FROM odd) AND {where}",
-            (segment["datasources"], *params)).fetchone()
+        count, example = c.conn.execute(*_non_ascii_sql(c.conn, segment)).fetchone()
         if count:
             notes.append(f"{_label('segment', segment).capitalize()} holds {count} address(es) "
                          f"with non-ASCII characters (such as {example}).")
@@ -8010,7 +8063,7 @@ def _make_batch(conn, batch, now, pending=None, templates_dir=""):
         # A tested link's recipients all wait at first (after priority and
         # one email an address, like any link's); _start_test() picks the test.
         enqueue(conn, account, "campaign", batch=batch["id"], message=link["message"],
-                recipients=_segment_query(conn, segment), now=now,
+                recipients=_segment_members(conn, segment), now=now,
                 status="waiting" if len(versions) > 1 else None)
         for version in versions:
             _archive_message(conn, campaign, batch, version, template)

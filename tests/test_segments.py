@@ -1,11 +1,13 @@
 """Segments: datasources plus typed conditions, counted in SQL."""
 
 
+import threading
+
 import pytest
 
 import campaignapi
 
-from helpers import add_recipients, database
+from helpers import add_recipients, database, wait_for
 
 FIELDS = [{"name": "city", "type": "text"}, {"name": "age", "type": "integer"},
           {"name": "score", "type": "number"}, {"name": "member", "type": "boolean"},
@@ -87,7 +89,8 @@ def _field_indexes(db):
 
 
 @pytest.mark.parametrize("field, op, value, expected", [
-    ("city", "eq", "BERLIN", 2), ("age", "gt", 9, 3), ("joined", "lt", "2024-01-01", 1)])
+    ("city", "eq", "BERLIN", 2), ("age", "gt", 9, 3), ("joined", "lt", "2024-01-01", 1),
+    ("score", "gt", 7.4, 2), ("member", "eq", "yes", 2)])
 def test_a_field_condition_reads_the_fields_index(api, db, people, field, op, value, expected):
     """A condition on a field (eq, gt, lt) is read from an index of exactly
     the expression it compares, once the worker's step has made it: the plan
@@ -248,3 +251,49 @@ def test_segment_soft_delete_and_ownership(api, stranger_api, people):
     api.delete(f"/segment/{new_id}")
     assert api.get(f"/segment/{new_id}")["segment"]["deleted"] == "1"
     api.post(f"/segment/{new_id}", status=409, name="x")
+
+
+def test_the_worker_makes_the_index_of_a_new_condition(api, db, people, monkeypatch):
+    """run_worker() makes a field's index once a segment compares the field
+    (its first look is at its start), and drops it when none does."""
+    stop = threading.Event()
+    worker = threading.Thread(target=campaignapi.run_worker, args=(db, stop),
+                              kwargs={"interval": 0.05})
+    # internal: the worker's step looks for indexes to make every 10 s, here more often
+    step, = [step for step in campaignapi._WORKER_STEPS if step.thread == "indexes"]
+    monkeypatch.setattr(step, "every", 0.05)
+    try:
+        segment = api.put("/segment/0", name="s", datasources=[people],
+                          conditions=[{"field": "city", "op": "eq", "value": "Berlin"}])["id"]
+        worker.start()
+        wait_for(lambda: len(_field_indexes(db)) == 1, timeout=30, what="the field index")
+        api.delete(f"/segment/{segment}")
+        wait_for(lambda: _field_indexes(db) == [], timeout=30, what="the index dropped")
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not worker.is_alive()
+
+
+def test_a_batch_reads_a_conditioned_segment_from_the_fields_index(api, db, people):
+    """A batch queues a segment's recipients in address order; with a
+    condition the ids are chosen first, so the field's index serves them
+    (in address order alone SQLite walked the whole datasource), and the
+    same recipients come out."""
+    segment = api.put("/segment/0", name="s", datasources=[people],
+                      conditions=[{"field": "city", "op": "eq", "value": "BERLIN"}])["id"]
+    # internal: the worker's step that makes field indexes, run here at once
+    campaignapi._index_conditioned_fields(db, limit=100)
+    with database(db) as conn:
+        row = conn.execute("SELECT * FROM segment WHERE id = ?", (int(segment),)).fetchone()
+        # internal: the WHERE clause a batch's queueing reads (enqueue(recipients=...))
+        where, params = campaignapi._segment_members(conn, row)
+        sql = f"SELECT r.email FROM recipient r WHERE {where} ORDER BY r.email"
+        if conn.engine == "sqlite":
+            plan = " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
+        else:
+            conn.execute("SET enable_seqscan = off")   # a table this small is scanned
+            plan = " ".join(row[0] for row in conn.execute("EXPLAIN " + sql, params))
+        assert "recipient_field_" in plan, plan
+        assert [r[0] for r in conn.execute(sql, params)] == ["ann@example.com",
+                                                            "cy@example.com"]
