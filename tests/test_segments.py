@@ -67,6 +67,14 @@ def test_each_operator_is_typed(api, db, people, field, op, value, expected, ind
     assert size(api, people, [condition], indexed_in=db if indexed else None) == expected
 
 
+def _plan(conn, sql, params):
+    """The plan of a statement as one line (it names the indexes it reads)."""
+    if conn.engine == "sqlite":
+        return " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
+    conn.execute("SET enable_seqscan = off")   # a table this small is scanned
+    return " ".join(row[0] for row in conn.execute("EXPLAIN " + sql, params))
+
+
 def _count_plan(db, segment_id):
     """The plan of a segment's count (names of indexes in it), and the count."""
     with database(db) as conn:
@@ -74,12 +82,7 @@ def _count_plan(db, segment_id):
         # internal: the WHERE clause a segment's size, verify and sending share
         where, params = campaignapi._segment_query(conn, row)
         sql = f"SELECT count(*) FROM recipient r WHERE {where}"
-        if conn.engine == "sqlite":
-            plan = " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-        else:
-            conn.execute("SET enable_seqscan = off")   # a table this small is scanned
-            plan = " ".join(row[0] for row in conn.execute("EXPLAIN " + sql, params))
-        return plan, conn.execute(sql, params).fetchone()[0]
+        return _plan(conn, sql, params), conn.execute(sql, params).fetchone()[0]
 
 
 def _field_indexes(db):
@@ -289,11 +292,7 @@ def test_a_batch_reads_a_conditioned_segment_from_the_fields_index(api, db, peop
         # internal: the WHERE clause a batch's queueing reads (enqueue(recipients=...))
         where, params = campaignapi._segment_members(conn, row)
         sql = f"SELECT r.email FROM recipient r WHERE {where} ORDER BY r.email"
-        if conn.engine == "sqlite":
-            plan = " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-        else:
-            conn.execute("SET enable_seqscan = off")   # a table this small is scanned
-            plan = " ".join(row[0] for row in conn.execute("EXPLAIN " + sql, params))
+        plan = _plan(conn, sql, params)
         assert "recipient_field_" in plan, plan
         assert [r[0] for r in conn.execute(sql, params)] == ["ann@example.com",
                                                             "cy@example.com"]
