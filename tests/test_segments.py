@@ -137,7 +137,8 @@ def test_field_indexes_follow_the_segments(api, db, people):
     one = api.put("/segment/0", name="a", datasources=[people], conditions=[
         {"field": "city", "op": "eq", "value": "Berlin"}])["id"]
     two = api.put("/segment/0", name="b", datasources=[people], match="any", conditions=[
-        {"field": "City", "op": "lt", "value": "c"}, {"field": "age", "op": "gt", "value": 3}])["id"]
+        {"field": "City", "op": "lt", "value": "c"},
+        {"field": "age", "op": "gt", "value": 3}])["id"]
     assert sorted(indexes()) == sorted([[city, "text"], [age, "integer"]])
     api.post(f"/segment/{two}", conditions=[{"field": "age", "op": "ne", "value": 3}])
     assert indexes() == [[city, "text"]]
