@@ -6923,11 +6923,11 @@ def _wanted_field_indexes(conn):
                  if condition["op"] in _INDEXED_OPS}
         if not names - {"email"}:
             continue
-        ids, names = conn.sql["json_ids"], conn.sql["json_addresses"]
+        ids, texts = conn.sql["json_ids"], conn.sql["json_addresses"]
         for field_id, kind in conn.execute(
                 "SELECT f.id, f.type FROM field f JOIN datasource d ON d.id = f.datasource "
                 f"WHERE d.deleted = 0 AND f.datasource IN ({ids.format(array='?')}) "
-                f"AND f.name IN ({names.format(array='?')})",
+                f"AND f.name IN ({texts.format(array='?')})",
                 (datasources, json.dumps(sorted(names)))).fetchall():
             _, compared = _field_columns(conn, field_id, kind, json="data")
             # With the datasource and status a segment's WHERE has, a count is
