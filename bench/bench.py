@@ -1867,10 +1867,17 @@ def _scale_step_parts(name, db, state, rows, body):
             state["everyone"] = api("PUT", "/segment/0", name="everyone", datasources=ds)["id"]
             state["berlin"] = api("PUT", "/segment/0", name="berlin", datasources=ds, conditions=[
                 {"field": "city", "op": "eq", "value": "Berlin"}])["id"]
+            # The worker's step that makes the index of the condition's field
+            # (it runs after a segment is saved; made once, not measured here).
+            started = time.perf_counter()
+            # internal: the worker's step, run here at once instead of by a worker
+            campaignapi._index_conditioned_fields(db)
+            state["index_seconds"] = round(time.perf_counter() - started, 2)
 
         def measured():
             return {"seconds": timed("GET", f"/segment/{state['everyone']}"),
-                    "with_condition_seconds": timed("GET", f"/segment/{state['berlin']}")}
+                    "with_condition_seconds": timed("GET", f"/segment/{state['berlin']}"),
+                    "index_seconds": state["index_seconds"]}
         return setup, measured
     if name in ("structure", "verify"):
         def setup():
@@ -1884,7 +1891,14 @@ def _scale_step_parts(name, db, state, rows, body):
                 message=int(message))
             state["campaign"] = campaign
 
-        return setup, lambda: {"seconds": timed("GET", f"/campaign/{state['campaign']}/{name}/0")}
+        def measured():
+            path = f"/campaign/{state['campaign']}/{name}/0"
+            first = timed("GET", path)
+            # verify again: the emails' SpamAssassin scores are kept, so this
+            # is verify without SpamAssassin's start (a fixed cost of seconds).
+            return {"seconds": first, "again_seconds": timed("GET", path)} \
+                if name == "verify" else {"seconds": first}
+        return setup, measured
     if name == "queue":
         def setup():
             api("PUT", f"/campaign/{state['campaign']}/send/0", timestamp="2000-01-01 00:00:00")
@@ -2137,12 +2151,25 @@ def scale_misses(f):
         if f[f"{step}_growth"] is None or f[f"{step}_growth"] > GROWTH_LIMIT:
             misses.append(f"{step} grew x{f[f'{step}_growth']}")
         if step == "import":
-            # At N only: at N/10 the interpreter's own ~50 MB dwarfs the upload.
-            if large["rss_ratio"] > 4:
-                misses.append(f"import peak RSS {large['rss_ratio']}x the upload")
+            # At every size from 1M rows (issue 31); below, the interpreter's
+            # own ~50 MB dwarfs the upload.
+            for size, rows in ((small, f.get("rows", 0) // 10), (large, f.get("rows", 0))):
+                if rows >= 1_000_000 and size["rss_ratio"] > 4:
+                    misses.append(f"import peak RSS {size['rss_ratio']}x the upload at "
+                                  f"{rows:,} rows")
         elif large["peak_rss_mb"] > small["peak_rss_mb"] * 1.5 + 20:
             misses.append(f"{step} peak RSS {small['peak_rss_mb']} -> {large['peak_rss_mb']} MB")
+    # Issue 31, at ten million rows: the interactive calls in seconds.
+    for step, figure, limit in SCALE_SECONDS:
+        large = f.get(f"{step}_large", {})
+        if f.get("rows", 0) >= 10_000_000 and large.get("finished") and large[figure] >= limit:
+            misses.append(f"{step} {figure} {large[figure]} s at {f['rows']:,} rows "
+                          f"(target < {limit} s)")
     return misses
+
+
+#: (step, figure, seconds): what a scale step at ten million rows must stay under.
+SCALE_SECONDS = (("verify", "seconds", 5), ("segment", "with_condition_seconds", 2))
 
 
 def scale_summary(f):
@@ -2159,7 +2186,8 @@ def scale_summary(f):
                 return "not run"
             text = f"{r.get('seconds')} s" + ("" if r.get("finished") else
                                               " DID NOT FINISH" if r.get("limit") else " FAILED")
-            extra = {k: r[k] for k in ("with_condition_seconds", "batch_seconds") if k in r}
+            extra = {k: r[k] for k in ("with_condition_seconds", "index_seconds",
+                                       "again_seconds", "batch_seconds") if k in r}
             return text + (f" {extra}" if extra else "") + f", {r.get('peak_rss_mb')} MB"
         grew = f.get(f"{step}_growth")
         lines.append(f"         {step:9} {shown(small)}  ->  {shown(large)}  growth " + (
@@ -2407,7 +2435,8 @@ ISSUE_TARGETS = {
     "api": "api >= 0.6 of a bare Bottle route (wrk, pinned)",
     "during-import": "public routes and writes with a key p99 < 100 ms, no error, during a "
                      "1M import (each engine)",
-    "scale": "every scale step grows linearly or less (x10 rows: <= x12.5), memory flat",
+    "scale": "every scale step grows linearly or less (x10 rows: <= x12.5), memory flat; "
+             "at 10M verify < 5 s, a segment with a field condition < 2 s, import <= 4x at 1M too",
     "tracking": "tracking open and click >= 0.8 of bare (issue 15)",
     "automations": "automations: a date trigger over 1M started and first emails queued <= 10 s "
                    "(SQLite), idle tick < 10 ms, runs advance >= 0.5 of the outbox (issue 26)",

@@ -150,6 +150,26 @@ def test_scale_misses_name_the_fast_growing_the_unfinished_and_memory():
         "archive failed"]
 
 
+def test_scale_misses_at_ten_million_name_the_slow_interactive_calls_and_import_memory():
+    """Issue 31: at 10M rows verify < 5 s, a segment's size with a field
+    condition < 2 s, and the import <= 4x its upload at 1M rows too."""
+    figures = {"rows": 10_000_000, **{f"{step}_growth": 10.0 for step in bench.SCALE_STEPS}}
+    figures.update({f"{step}_small": _step(1.0) for step in bench.SCALE_STEPS})
+    figures.update({f"{step}_large": _step(4.9) for step in bench.SCALE_STEPS})
+    figures["segment_large"]["with_condition_seconds"] = 1.9
+    figures["import_small"]["rss_ratio"], figures["import_large"]["rss_ratio"] = 3.9, 3.3
+    assert bench.scale_misses(figures) == []
+    figures["verify_large"]["seconds"] = 5.0
+    figures["segment_large"]["with_condition_seconds"] = 10.2
+    figures["import_small"]["rss_ratio"] = 4.5
+    assert bench.scale_misses(figures) == [
+        "import peak RSS 4.5x the upload at 1,000,000 rows",
+        "verify seconds 5.0 s at 10,000,000 rows (target < 5 s)",
+        "segment with_condition_seconds 10.2 s at 10,000,000 rows (target < 2 s)"]
+    figures["rows"] = 1_000_000   # at 100,000 rows the import's memory is the interpreter's
+    assert bench.scale_misses(figures) == []
+
+
 def test_the_json_line_round_trips_every_figure_by_name():
     results = {"db": "sqlite", "api": {"ratio": 0.68, "ratios": [0.6, 0.68, 0.7], "p99_ms": 10.85},
                "during-import": {"open": {"p99_ms": 12.5, "errors": 0}, "effects_ok": True},

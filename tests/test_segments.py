@@ -1,11 +1,13 @@
 """Segments: datasources plus typed conditions, counted in SQL."""
 
 
+import threading
+
 import pytest
 
 import campaignapi
 
-from helpers import add_recipients
+from helpers import add_recipients, database, wait_for
 
 FIELDS = [{"name": "city", "type": "text"}, {"name": "age", "type": "integer"},
           {"name": "score", "type": "number"}, {"name": "member", "type": "boolean"},
@@ -30,8 +32,13 @@ def people(api, db):
     return ds
 
 
-def size(api, ds, conditions, match="all"):
+def size(api, ds, conditions, match="all", indexed_in=None):
+    """The size of a new segment; with ``indexed_in`` (the database), after
+    the worker's step has made the indexes of its conditions' fields."""
     new_id = api.put("/segment/0", datasources=[ds], conditions=conditions, match=match)["id"]
+    if indexed_in is not None:
+        # internal: the worker's step that makes field indexes, run here at once
+        campaignapi._index_conditioned_fields(indexed_in, limit=100)
     return int(api.get(f"/segment/{new_id}")["segment"]["size"])
 
 
@@ -52,10 +59,92 @@ def size(api, ds, conditions, match="all"):
     ("email", "startswith", "ANN@", 1),
     ("email", "eq", "Eve@example.com", 1),
 ])
-def test_each_operator_is_typed(api, people, field, op, value, expected):
+@pytest.mark.parametrize("indexed", [False, True], ids=["scanned", "indexed"])
+def test_each_operator_is_typed(api, db, people, field, op, value, expected, indexed):
+    """The same sizes whether the field's index is there or not."""
     condition = {"field": field, "op": op} if value is None else \
         {"field": field, "op": op, "value": value}
-    assert size(api, people, [condition]) == expected
+    assert size(api, people, [condition], indexed_in=db if indexed else None) == expected
+
+
+def _plan(conn, sql, params):
+    """The plan of a statement as one line (it names the indexes it reads)."""
+    if conn.engine == "sqlite":
+        return " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
+    conn.execute("SET enable_seqscan = off")   # a table this small is scanned
+    return " ".join(row[0] for row in conn.execute("EXPLAIN " + sql, params))
+
+
+def _count_plan(db, segment_id):
+    """The plan of a segment's count (names of indexes in it), and the count."""
+    with database(db) as conn:
+        row = conn.execute("SELECT * FROM segment WHERE id = ?", (int(segment_id),)).fetchone()
+        # internal: the WHERE clause a segment's size, verify and sending share
+        where, params = campaignapi._segment_query(conn, row)
+        sql = f"SELECT count(*) FROM recipient r WHERE {where}"
+        return _plan(conn, sql, params), conn.execute(sql, params).fetchone()[0]
+
+
+def _field_indexes(db):
+    with database(db) as conn:
+        return sorted(row[0] for row in conn.execute(conn.sql["table_indexes"], ("recipient",))
+                      if row[0].startswith("recipient_field_"))
+
+
+@pytest.mark.parametrize("field, op, value, expected", [
+    ("city", "eq", "BERLIN", 2), ("age", "gt", 9, 3), ("joined", "lt", "2024-01-01", 1),
+    ("score", "gt", 7.4, 2), ("member", "eq", "yes", 2)])
+def test_a_field_condition_reads_the_fields_index(api, db, people, field, op, value, expected):
+    """A condition on a field (eq, gt, lt) is read from an index of exactly
+    the expression it compares, once the worker's step has made it: the plan
+    says so on both engines; before, it reads the datasource's rows."""
+    segment = api.put("/segment/0", name="s", datasources=[people],
+                      conditions=[{"field": field, "op": op, "value": value}])["id"]
+    plan, count = _count_plan(db, segment)
+    assert "recipient_field_" not in plan and count == expected, plan
+    # internal: the worker's step that makes field indexes, run here at once
+    assert campaignapi._index_conditioned_fields(db, limit=100) == 1
+    assert _field_indexes(db) == [f"recipient_field_{_field_id(db, people, field)}_"
+                                  f"{dict((f['name'], f['type']) for f in FIELDS)[field]}"]
+    plan, count = _count_plan(db, segment)
+    assert "recipient_field_" in plan and count == expected, plan
+    # internal: a second round finds nothing to do
+    assert campaignapi._index_conditioned_fields(db, limit=100) == 0
+
+
+def _field_id(db, ds, name):
+    with database(db) as conn:
+        return conn.execute("SELECT id FROM field WHERE datasource = ? AND name = ?",
+                            (ds, name)).fetchone()[0]
+
+
+def test_field_indexes_follow_the_segments(api, db, people):
+    """An index is made for each field a live segment compares with eq, gt or
+    lt (not contains, empty, nor the address), once for two segments, and
+    dropped when no live segment needs it: a changed condition, a deleted
+    segment."""
+    def indexes():
+        # internal: the worker's step that makes and drops field indexes
+        campaignapi._index_conditioned_fields(db, limit=100)
+        return [name.rsplit("_", 2)[1:] for name in _field_indexes(db)]
+
+    city, age = str(_field_id(db, people, "city")), str(_field_id(db, people, "age"))
+    other = api.put("/segment/0", name="o", datasources=[people], conditions=[
+        {"field": "city", "op": "contains", "value": "er"}, {"field": "email", "op": "eq",
+                                                             "value": "ann@example.com"},
+        {"field": "age", "op": "empty"}])["id"]
+    assert indexes() == []
+    one = api.put("/segment/0", name="a", datasources=[people], conditions=[
+        {"field": "city", "op": "eq", "value": "Berlin"}])["id"]
+    two = api.put("/segment/0", name="b", datasources=[people], match="any", conditions=[
+        {"field": "City", "op": "lt", "value": "c"},
+        {"field": "age", "op": "gt", "value": 3}])["id"]
+    assert sorted(indexes()) == sorted([[city, "text"], [age, "integer"]])
+    api.post(f"/segment/{two}", conditions=[{"field": "age", "op": "ne", "value": 3}])
+    assert indexes() == [[city, "text"]]
+    api.delete(f"/segment/{one}")
+    assert indexes() == []
+    api.delete(f"/segment/{other}")
 
 
 def test_match_all_and_any(api, people):
@@ -166,3 +255,45 @@ def test_segment_soft_delete_and_ownership(api, stranger_api, people):
     api.delete(f"/segment/{new_id}")
     assert api.get(f"/segment/{new_id}")["segment"]["deleted"] == "1"
     api.post(f"/segment/{new_id}", status=409, name="x")
+
+
+def test_the_worker_makes_the_index_of_a_new_condition(api, db, people, monkeypatch):
+    """run_worker() makes a field's index once a segment compares the field
+    (its first look is at its start), and drops it when none does."""
+    stop = threading.Event()
+    worker = threading.Thread(target=campaignapi.run_worker, args=(db, stop),
+                              kwargs={"interval": 0.05})
+    # internal: the worker's step looks for indexes to make every 10 s, here more often
+    step, = [step for step in campaignapi._WORKER_STEPS if step.thread == "indexes"]
+    monkeypatch.setattr(step, "every", 0.05)
+    try:
+        segment = api.put("/segment/0", name="s", datasources=[people],
+                          conditions=[{"field": "city", "op": "eq", "value": "Berlin"}])["id"]
+        worker.start()
+        wait_for(lambda: len(_field_indexes(db)) == 1, timeout=30, what="the field index")
+        api.delete(f"/segment/{segment}")
+        wait_for(lambda: _field_indexes(db) == [], timeout=30, what="the index dropped")
+    finally:
+        stop.set()
+        worker.join(10)
+    assert not worker.is_alive()
+
+
+def test_a_batch_reads_a_conditioned_segment_from_the_fields_index(api, db, people):
+    """A batch queues a segment's recipients in address order; with a
+    condition the ids are chosen first, so the field's index serves them
+    (in address order alone SQLite walked the whole datasource), and the
+    same recipients come out."""
+    segment = api.put("/segment/0", name="s", datasources=[people],
+                      conditions=[{"field": "city", "op": "eq", "value": "BERLIN"}])["id"]
+    # internal: the worker's step that makes field indexes, run here at once
+    campaignapi._index_conditioned_fields(db, limit=100)
+    with database(db) as conn:
+        row = conn.execute("SELECT * FROM segment WHERE id = ?", (int(segment),)).fetchone()
+        # internal: the WHERE clause a batch's queueing reads (enqueue(recipients=...))
+        where, params = campaignapi._segment_members(conn, row)
+        sql = f"SELECT r.email FROM recipient r WHERE {where} ORDER BY r.email"
+        plan = _plan(conn, sql, params)
+        assert "recipient_field_" in plan, plan
+        assert [r[0] for r in conn.execute(sql, params)] == ["ann@example.com",
+                                                            "cy@example.com"]
