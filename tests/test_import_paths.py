@@ -145,6 +145,15 @@ def children():
     return set(found)
 
 
+def engine_writes(db):
+    """The class that writes an import's chunks on the engine of ``db``."""
+    if db.startswith("postgresql"):
+        # internal: where a reading child's chunks are written, to fail or watch a write
+        return campaignapi._PgImportWrites
+    # internal: where a reading child's chunks are written, to fail or watch a write
+    return campaignapi._SqliteImportWrites
+
+
 def big_upload(count, row=lambda i: f"reader{i}@example.com,Name {i},{i % 90},Town {i % 13}"):
     text = "email,Name,age,Town\n" + "".join(row(i) + "\n" for i in range(count))
     # internal: shrunk so a small upload takes the child reader's path
@@ -196,21 +205,19 @@ def test_an_error_in_the_child_rolls_back_everything(api, db):
 
 
 def test_a_failure_while_writing_stops_and_reaps_the_child(api, db, monkeypatch):
-    if db.startswith("postgresql"):
-        pytest.skip("the child process reads for SQLite only")
     ds, before = make_datasource(api), children()
     written = []
 
-    def fail_on_third(self, chunk, patch):
+    def fail_on_third(self, chunk, keys):
         written.append(chunk)
         if len(written) == 3:
             raise campaignapi.Conflict("stop here")
-        return write(self, chunk, patch)
+        return write(self, chunk, keys)
 
-    # internal: a failure injected between two chunk writes of SQLite's import
-    writes = campaignapi._SqliteImportWrites
-    write = writes.write
-    monkeypatch.setattr(writes, "write", fail_on_third)
+    # internal: a failure injected between two chunk writes of the engine's import
+    writes = engine_writes(db)
+    write = writes.unpack
+    monkeypatch.setattr(writes, "unpack", fail_on_third)
     error = import_csv(api, ds, big_upload(30000), status=409)
     assert error["message"] == "stop here"
     assert scalar(db, "SELECT count(*) FROM recipient") == 0
@@ -230,22 +237,20 @@ def test_a_child_read_upload_without_a_stored_row_makes_no_field(api, db):
 def test_the_reading_child_keeps_no_socket_of_the_app_open(api, db, monkeypatch):
     """A connection the app closes while the child reads is closed for its
     client at once, not when the import ends: the child keeps only its pipe."""
-    if db.startswith("postgresql"):
-        pytest.skip("the child process reads for SQLite only")
     ds, seen = make_datasource(api), []
     ours, peer = socket.socketpair()   # stands for a client connection of the app
 
-    def closing_a_connection(self, chunk, patch):
+    def closing_a_connection(self, chunk, keys):
         if not seen:   # the child is reading the next chunks meanwhile
             ours.close()
             peer.settimeout(5)
             seen.append(peer.recv(1))   # end of stream, unless a copy is open
-        return write(self, chunk, patch)
+        return write(self, chunk, keys)
 
     # internal: a client closed while the child reads, between two chunk writes
-    writes = campaignapi._SqliteImportWrites
-    write = writes.write
-    monkeypatch.setattr(writes, "write", closing_a_connection)
+    writes = engine_writes(db)
+    write = writes.unpack
+    monkeypatch.setattr(writes, "unpack", closing_a_connection)
     try:
         import_csv(api, ds, big_upload(30000))
     finally:
