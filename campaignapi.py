@@ -1735,6 +1735,14 @@ class _SqliteImportWrites:
         """Nothing is left open between chunks."""
 
 
+def _copy_texts(rows):
+    """Folded address -> the COPY text of the row's address and of its data,
+    for the rows ``{folded: (address, keys, values)}`` (_CopyStream)."""
+    return {folded: (address.translate(_COPY_TEXT),
+                     _data_json(keys, values).translate(_COPY_TEXT))
+            for folded, (address, keys, values) in rows.items()}
+
+
 class _PgImportWrites:
     """An import's chunks on PostgreSQL.  Into a datasource that was empty
     when the import began, the rows go straight into recipient by one COPY
@@ -1746,21 +1754,26 @@ class _PgImportWrites:
                               "(n integer, email citext, data text, patch text, id bigint)")
         self.stream = None   # the _CopyStream, False when staging, None: not known yet
 
-    #: A chunk as a reading child sends it (_ChildReader): its rows as they are.
-    pack = staticmethod(dict)
+    @staticmethod
+    def pack(pending):
+        """A chunk as a reading child sends it (_ChildReader): its rows, and
+        the COPY text of each row's address and data, made in the child (the
+        per-row Python of a COPY held this process's GIL)."""
+        return pending, _copy_texts(pending)
 
-    def unpack(self, pending, keys):
+    def unpack(self, chunk, keys):
         """Write a chunk a reading child packed."""
-        self.flush(pending)
+        self.flush(*chunk)
 
-    def flush(self, pending):
+    def flush(self, pending, texts=None):
+        """``texts``: each row's COPY text, when a reading child made it (pack())."""
         if self.stream is None:   # the first chunk: before this import wrote a recipient
             importer = self.importer
             empty = importer.conn.execute("SELECT NOT EXISTS (SELECT 1 FROM recipient "
                                       "WHERE datasource = ?)", (importer.datasource,)).fetchone()[0]
             self.stream = _CopyStream(self) if empty else False
         if self.stream:
-            self.stream.write(pending)
+            self.stream.write(pending, texts)
         else:
             self.stage(pending)
 
@@ -1860,7 +1873,9 @@ class _CopyStream:
         seen[second >> 3] |= 1 << (second & 7)
         return known
 
-    def write(self, pending):
+    def write(self, pending, texts=None):
+        """``texts``: folded address -> the COPY text of the row's address
+        and data, when made already (_PgImportWrites.pack())."""
         fresh, repeats = {}, self.repeats
         for folded, row in pending.items():
             if not self._repeated(folded):
@@ -1875,10 +1890,10 @@ class _CopyStream:
             importer, now = self.importer, _now()
             source = "\\N" if importer.import_id is None else importer.import_id   # \N: NULL
             start, middle = f"{importer.datasource}\t", f"\t{source}\t{now}\t{now}\t"
-            self.copy.write("".join([
-                f"{start}{address.translate(_COPY_TEXT)}{middle}"
-                f"{_data_json(keys, values).translate(_COPY_TEXT)}\n"
-                for address, keys, values in fresh.values()]))
+            if texts is None:
+                texts = _copy_texts(fresh)
+            self.copy.write("".join([f"{start}{address}{middle}{data}\n"
+                                     for address, data in map(texts.__getitem__, fresh)]))
             self.chunks.append(fresh)
             self.rows += len(fresh)
             importer.inserted += len(fresh)  # taken back if the segment is staged instead
