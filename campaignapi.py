@@ -76,12 +76,13 @@ import ipaddress
 import itertools
 import json
 import logging
-import marshal
 import operator
 import os
+import pickle
 import random
 import re
 import secrets
+import select
 import shutil
 import signal
 import smtplib
@@ -554,8 +555,16 @@ class _WriteTurns:
     handler, as before), and waits at most its connection's busy timeout.
     """
 
+    #: A writer that would wait at most this long (seconds; the intake's
+    #: quick writes) does not queue while a long write (an import) runs:
+    #: it is told at once that the database is locked, and its caller keeps
+    #: the write for later.  Queued, each held a server thread for its wait
+    #: (100 public writes a second: 5 of 8 threads) and the import gave way.
+    QUICK = 1.0
+
     def __init__(self):
         self.lock, self.queue, self.holder = threading.Lock(), collections.deque(), None
+        self.long = 0   # long writes running (imports)
 
     def take(self, timeout):
         """Take the turn; False when this thread holds it already (nothing taken)."""
@@ -566,6 +575,8 @@ class _WriteTurns:
                 return True
             if self.holder == me:
                 return False
+            if self.long and timeout < self.QUICK:
+                raise sqlite3.OperationalError("database is locked (a long write runs)")
             granted = threading.Event()
             self.queue.append((me, granted))
         if granted.wait(timeout):
@@ -669,10 +680,6 @@ class _SqliteConnection(sqlite3.Connection):
 
     engine = "sqlite"
     sql = _SQL["sqlite"]
-    #: Whether a large CSV upload is read by a forked child while this
-    #: process writes (_ChildReader): SQLite writes in this process, and only
-    #: a second process overlaps the reading (Python, under the GIL) with it.
-    forks_reader = hasattr(os, "fork")
     #: A read is a call in this process, where a write waits for the
     #: database's one write lock: look before writing (an Idempotency-Key's
     #: repeat is answered without waiting for the lock).
@@ -716,6 +723,26 @@ class _SqliteConnection(sqlite3.Connection):
         if self._turn_taken:
             self._turn_taken = False
             self.turns.give()
+
+    def writers_waiting(self):
+        """Whether another writer of this process waits for its turn (a
+        long write, an import, commits for it: _Importer.turn())."""
+        return self.turns is not None and bool(self.turns.queue)
+
+    @contextlib.contextmanager
+    def writing_long(self):
+        """Within: this connection writes for long (an import, in chunks):
+        quick writers of this process do not wait for it (_WriteTurns.QUICK)."""
+        if self.turns is None:
+            yield
+            return
+        with self.turns.lock:
+            self.turns.long += 1
+        try:
+            yield
+        finally:
+            with self.turns.lock:
+                self.turns.long -= 1
 
     def claim_import(self, import_id):
         """Mark the import as running in this process until release_import()
@@ -1098,9 +1125,6 @@ class _PgConnection:
 
     engine = "postgresql"
     sql = _SQL["postgresql"]
-    #: The COPY stream already overlaps reading and writing (the server
-    #: stores a chunk while the next one is read): no reading child.
-    forks_reader = False
     #: Every statement is a round trip to the server: write without looking
     #: first where the write tells what it found.
     cheap_reads = False
@@ -1175,6 +1199,14 @@ class _PgConnection:
 
     def give_turn(self):
         """See take_turn()."""
+
+    def writers_waiting(self):
+        """None waits for a long write's lock here (see take_turn())."""
+        return False
+
+    def writing_long(self):
+        """See writers_waiting()."""
+        return contextlib.nullcontext()
 
     def _settle(self, sql):
         if self.copying is not None:
@@ -1718,6 +1750,10 @@ _CHUNK_ROWS = 5000
 #: At most this many rows an import commits at once (API.md section 5): no
 #: other writer waits for more than that (_Importer.turn()).
 _COMMIT_ROWS = 50_000
+#: Rows of one statement of an import read by a child (_child_rows): a
+#: writer that comes while the import runs waits for one such statement
+#: (on SQLite 5,000 rows held the lock for 80-450 ms on two busy cores).
+_WRITE_ROWS = 1000
 
 _ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -1810,6 +1846,14 @@ class _SqliteImportWrites:
     def __init__(self, importer):
         self.importer = importer
 
+    #: A chunk as a reading child sends it (_ChildReader): its JSON.
+    pack = staticmethod(_chunk_json)
+
+    def unpack(self, chunk, keys):
+        """Write a chunk a reading child packed; ``keys``: the upload's fields."""
+        blanks = dict.fromkeys(keys)
+        self.write(chunk, lambda address, values: _to_json({**blanks, **json.loads(values)}))
+
     def flush(self, pending):
         self.write(_chunk_json(pending), lambda address, data: _data_json(
             *pending[_nocase(address)][1:], blank="null"))
@@ -1854,6 +1898,14 @@ class _SqliteImportWrites:
         """Nothing is left open between chunks."""
 
 
+def _copy_texts(rows):
+    """Folded address -> the COPY text of the row's address and of its data,
+    for the rows ``{folded: (address, keys, values)}`` (_CopyStream)."""
+    return {folded: (address.translate(_COPY_TEXT),
+                     _data_json(keys, values).translate(_COPY_TEXT))
+            for folded, (address, keys, values) in rows.items()}
+
+
 class _PgImportWrites:
     """An import's chunks on PostgreSQL.  Into a datasource that was empty
     when the import began, the rows go straight into recipient by one COPY
@@ -1865,14 +1917,26 @@ class _PgImportWrites:
                               "(n integer, email citext, data text, patch text, id bigint)")
         self.stream = None   # the _CopyStream, False when staging, None: not known yet
 
-    def flush(self, pending):
+    @staticmethod
+    def pack(pending):
+        """A chunk as a reading child sends it (_ChildReader): its rows, and
+        the COPY text of each row's address and data, made in the child (the
+        per-row Python of a COPY held this process's GIL)."""
+        return pending, _copy_texts(pending)
+
+    def unpack(self, chunk, keys):
+        """Write a chunk a reading child packed."""
+        self.flush(*chunk)
+
+    def flush(self, pending, texts=None):
+        """``texts``: each row's COPY text, when a reading child made it (pack())."""
         if self.stream is None:   # the first chunk: before this import wrote a recipient
             importer = self.importer
             empty = importer.conn.execute("SELECT NOT EXISTS (SELECT 1 FROM recipient "
                                       "WHERE datasource = ?)", (importer.datasource,)).fetchone()[0]
             self.stream = _CopyStream(self) if empty else False
         if self.stream:
-            self.stream.write(pending)
+            self.stream.write(pending, texts)
         else:
             self.stage(pending)
 
@@ -1976,7 +2040,9 @@ class _CopyStream:
         seen[second >> 3] |= 1 << (second & 7)
         return known
 
-    def write(self, pending):
+    def write(self, pending, texts=None):
+        """``texts``: folded address -> the COPY text of the row's address
+        and data, when made already (_PgImportWrites.pack())."""
         fresh, repeats = {}, self.repeats
         for folded, row in pending.items():
             if not self._repeated(folded):
@@ -1991,10 +2057,10 @@ class _CopyStream:
             importer, now = self.importer, _now()
             source = "\\N" if importer.import_id is None else importer.import_id   # \N: NULL
             start, middle = f"{importer.datasource}\t", f"\t{source}\t{now}\t{now}\t"
-            self.copy.write("".join([
-                f"{start}{address.translate(_COPY_TEXT)}{middle}"
-                f"{_data_json(keys, values).translate(_COPY_TEXT)}\n"
-                for address, keys, values in fresh.values()]))
+            if texts is None:
+                texts = _copy_texts(fresh)
+            self.copy.write("".join([f"{start}{address}{middle}{data}\n"
+                                     for address, data in map(texts.__getitem__, fresh)]))
             self.chunks.append(fresh)
             self.rows += len(fresh)
             importer.inserted += len(fresh)  # taken back if the segment is staged instead
@@ -2780,6 +2846,10 @@ class Route:
     confirm) that must never wait for a lock: the handler runs outside a
     transaction and hands its writes to ``call.later()`` (see _Intake).
 
+    ``big``: the parameters that may be big (an import's upload): a big body
+    is then read and parsed by a child process, which keeps them; the
+    handler gets the _BodyChild in their place and asks it for the work.
+
     ``reads_body=False``: the route takes no parameters from the body and
     ignores whatever body comes (an HTML form post, an RFC 8058 one-click
     unsubscribe), instead of answering 415 for a body that is not JSON.
@@ -2798,7 +2868,7 @@ class Route:
 
     def __init__(self, method, path, level, handler, params=None, writes=None, summary=None,
                  answers=None, reads_body=True, body=None, errors=(), changes=None,
-                 body_rules=None, pages=False, later=False):
+                 body_rules=None, pages=False, later=False, big=()):
         self.method, self.path, self.level, self.handler = method, path, level, handler
         # An operation of a record kind (Resource.get, .create, ...) takes the
         # parameters its kind declares for it and answers that kind.
@@ -2827,6 +2897,9 @@ class Route:
         # A public write: the handler reads and answers, its writes go by
         # call.later() to the intake, so it never waits for a lock.
         self.later = later
+        # Parameters that may be big (an import's upload): a big body is read
+        # and parsed by a child process, which keeps them (_BodyChild).
+        self.big = tuple(big.split()) if isinstance(big, str) else tuple(big)
         # Whether the route changes data, for the document: a GET may, even
         # outside one transaction (an export commits its record itself).
         self.changes = self.writes if changes is None else changes
@@ -3101,8 +3174,243 @@ def _b64_pieces(data):
     return b"".join(out)
 
 
+def _json_object(body):
+    """The parameters of a JSON request body: its object, decoded strictly."""
+    try:
+        # Decoded here, strictly: json.loads(bytes) would pass encoded
+        # surrogates (b"\xed\xa0\x80") through as lone surrogates.
+        document = json.loads(_body_text(body))
+    except (ValueError, RecursionError):
+        raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
+    if _has_surrogate_escape(body):
+        # A \uD800-\uDFFF escape that is not half of a pair decodes to a
+        # lone surrogate, which SQLite and UTF-8 output cannot hold.
+        try:
+            json.dumps(document, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJson("The request body holds a \\u escape that is not a valid "
+                              "character (a lone surrogate).") from None
+    if not isinstance(document, dict):
+        raise InvalidJson("The request body must be a JSON object of parameters.")
+    return document
+
+
+def _open_max():
+    """One past the highest file descriptor a process may have."""
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        return 65536
+
+
+#: A JSON body of this many bytes or more, for a route with a big parameter
+#: (an import's upload), is read and parsed by a forked child (_BodyChild).
+_CHILD_READS_BYTES = 1 << 20
+
+#: How much nicer (lower CPU priority) a _BodyChild is than its server.
+_CHILD_NICE = 10
+
+#: Where the request's _BodyChild is kept until the request ends (dispatch()).
+_BODY_CHILD = "campaignapi.body_child"
+
+
+class _BodyChild:
+    """A big request body read, parsed and worked on by a forked child, so
+    that none of it holds this process's GIL (every other request of the
+    process waited for the decode, the parse and the checks of a 75 MB import).
+
+    This process only streams the body from ``wsgi.input`` into a pipe, a
+    piece at a time.  The child decodes and parses it as _parse_params()
+    would (the same errors) and answers the small parameters; the big ones
+    (``route.big``) stay in the child, and stand for themselves in the
+    parameters as this object.  The handler then asks the child to work on
+    them: call() sends a function of the module and its arguments (pickle),
+    the child runs it on its parameters (``state``) and sends back what it
+    yields, message by message, while this process goes on (an import
+    writes one chunk while the child reads the next).  An error in the child
+    is raised here as if raised here.
+
+    The child keeps only its three pipes (a copy of a socket of the app's
+    other requests would keep each connection the app closes open until the
+    request ends), never touches the database, and ends when this process
+    closes it (close(): at the end of the request, on every path) or dies.
+    """
+
+    def __init__(self, route, environ, length):
+        body_read, body_write = os.pipe()
+        command_read, self._command_write = os.pipe()
+        self._answer_read, answer_write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            for low, high in itertools.pairwise(
+                    [2, *sorted((body_read, command_read, answer_write)), _open_max()]):
+                os.closerange(low + 1, high)
+            self._child(route, body_read, command_read, answer_write)   # never returns
+        for fd in (body_read, command_read, answer_write):
+            os.close(fd)
+        self.commands = open(self._command_write, "wb")
+        self.answers = open(self._answer_read, "rb", buffering=0)   # select() sees all
+        try:
+            self._send_body(environ["wsgi.input"], body_write, length)
+            self.document = self._answer()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _send_body(stream, fd, length):
+        """``length`` bytes of ``stream`` into the child (fewer if it ends first)."""
+        with open(fd, "wb", buffering=0) as pipe:
+            try:
+                while length > 0:
+                    piece = stream.read(min(length, _PIECE))
+                    if not piece:
+                        break
+                    length -= len(piece)
+                    view = memoryview(piece)
+                    while view:
+                        view = view[pipe.write(view):]
+            except BrokenPipeError:   # the child ended: its answer says why
+                pass
+
+    def _child(self, route, body_read, command_read, answer_write):
+        """The child: parse the body, answer the small parameters, then run
+        what it is sent until this process closes the pipe."""
+        status = 1
+        try:
+            gc.disable()   # it ends with the request: no cycles worth a collection
+            # Its work can wait; the requests of the server beside it cannot:
+            # on busy cores the scheduler gives them the CPU first.
+            with contextlib.suppress(OSError, AttributeError):
+                os.nice(_CHILD_NICE)
+            with open(answer_write, "wb") as out:
+                def answer(*message):   # a frame: its length, then its pickle
+                    frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    out.write(len(frame).to_bytes(8, "little"))
+                    out.write(frame)
+                    out.flush()
+
+                try:
+                    with open(body_read, "rb") as source:
+                        body = source.read()
+                    state = _json_object(body) if body.strip() else {}
+                    del body
+                    big = {name: state[name] for name in route.big if name in state}
+                    for name, value in big.items():
+                        route.params[name].check(value)
+                    answer("answer", ({name: value for name, value in state.items()
+                                       if name not in big}, list(big)))
+                except Exception as error:
+                    answer(*self._refusal(error))
+                    raise SystemExit from None
+                with open(command_read, "rb") as commands:
+                    while True:
+                        try:
+                            function, args = pickle.load(commands)
+                        except EOFError:
+                            break
+                        try:
+                            for message in function(state, *args):
+                                answer("answer", message)
+                            answer("end")
+                        except Exception as error:
+                            answer(*self._refusal(error))
+            status = 0
+        finally:
+            os._exit(status)
+
+    @staticmethod
+    def _refusal(error):
+        """The message that raises ``error`` again in the parent (_answer())."""
+        if isinstance(error, UnicodeDecodeError):
+            return "undecodable", error.encoding, error.reason
+        if isinstance(error, ApiError) and type(error) in ApiError.__subclasses__():
+            return "refused", type(error).__name__, error.message, error.extra
+        return "failed", traceback.format_exc()
+
+    def _read(self, size):
+        """``size`` bytes of the child's answers."""
+        data = bytearray(size)
+        view = memoryview(data)
+        while view:
+            got = self.answers.readinto(view)
+            if not got:
+                raise RuntimeError("The process reading the request body ended early.")
+            view = view[got:]
+        return data
+
+    def _answer(self, idle=None):
+        """The child's next message; its error raised here.  ``idle()`` runs
+        every few milliseconds while none has come."""
+        while idle is not None and not select.select([self.answers], [], [], 0.005)[0]:
+            idle()
+        kind, *data = pickle.loads(self._read(int.from_bytes(self._read(8), "little")))
+        if kind == "answer":
+            return data[0]
+        if kind == "end":
+            raise StopIteration
+        if kind == "undecodable":
+            raise UnicodeDecodeError(data[0], b"", 0, 0, data[1])
+        if kind == "refused":
+            refusal = {error.__name__: error for error in ApiError.__subclasses__()}[data[0]]
+            raise refusal(data[1], **data[2])
+        raise RuntimeError(f"The process reading the request body failed:\n{data[0]}")
+
+    def call(self, function, *args, idle=None):
+        """What ``function(state, *args)`` yields in the child, message by
+        message; ``idle()`` runs every few milliseconds while waiting."""
+        pickle.dump((function, args), self.commands, protocol=pickle.HIGHEST_PROTOCOL)
+        self.commands.flush()
+        while True:
+            try:
+                yield self._answer(idle)
+            except StopIteration:
+                return
+
+    def ask(self, function, *args):
+        """The one message ``function(state, *args)`` yields in the child."""
+        answers = self.call(function, *args)
+        answer = next(answers)
+        for _ in answers:   # the end
+            pass
+        return answer
+
+    def close(self):
+        """End and reap the child (it holds nothing this process needs)."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.pid = None
+            for stream in (self.commands, self.answers):
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+def _body_child(route, environ, limit):
+    """A _BodyChild for a big JSON body of a route with big parameters, or
+    None: the body is read here (small, without a length, or no fork)."""
+    length = (environ.get("CONTENT_LENGTH") or "").strip()
+    if not (route.big and _FORKS and length.isdigit() and environ.get("wsgi.input")
+            and _content_type(environ) == "application/json"):
+        return None
+    if int(length) > limit:
+        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    if int(length) < max(_CHILD_READS_BYTES, 1):
+        return None
+    child = environ[_BODY_CHILD] = _BodyChild(route, environ, int(length))
+    return child
+
+
+#: Whether this system can fork a child (_BodyChild).
+_FORKS = hasattr(os, "fork")
+
+
 def _parse_params(route, environ, limit):
-    """Parameters from the query string and the JSON body (body keys win)."""
+    """Parameters from the query string and the JSON body (body keys win).
+    A big body is parsed by a child process: its big parameters are then
+    the _BodyChild that holds them."""
     given = {}
     if not route.reads_body and not route.params:
         return given
@@ -3115,28 +3423,18 @@ def _parse_params(route, environ, limit):
         if name in given:
             raise InvalidParameter(f"The parameter '{name}' is given twice.", field=name)
         given[name] = value
-    body = _read_body(environ, limit) if route.reads_body else b""
-    if body.strip():
+    child = _body_child(route, environ, limit) if route.reads_body else None
+    body = b"" if child or not route.reads_body else _read_body(environ, limit)
+    if child or body.strip():
         content_type = _content_type(environ)
         if content_type != "application/json":
             raise UnsupportedMediaType("Send parameters as JSON with Content-Type: application/json.")
-        try:
-            # Decoded here, strictly: json.loads(bytes) would pass encoded
-            # surrogates (b"\xed\xa0\x80") through as lone surrogates.
-            document = json.loads(_body_text(body))
-        except (ValueError, RecursionError):
-            raise InvalidJson("The request body is not valid JSON (UTF-8).") from None
-        if _has_surrogate_escape(body):
-            # A \uD800-\uDFFF escape that is not half of a pair decodes to a
-            # lone surrogate, which SQLite and UTF-8 output cannot hold.
-            try:
-                json.dumps(document, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidJson("The request body holds a \\u escape that is not a valid "
-                                  "character (a lone surrogate).") from None
+        if child:
+            small, big = child.document
+            document = dict(small, **dict.fromkeys(big, child))
+        else:
+            document = _json_object(body)
         del body
-        if not isinstance(document, dict):
-            raise InvalidJson("The request body must be a JSON object of parameters.")
         # The body wins, but a bad value in the query string is still refused.
         for name in set(given) & set(document) & set(route.params):
             route.params[name].check(given[name])
@@ -3146,7 +3444,8 @@ def _parse_params(route, environ, limit):
         raise UnknownParameter(
             f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}.",
             field=unknown, allowed=sorted(route.params))
-    params = {name: route.params[name].check(value) for name, value in given.items()}
+    params = {name: value if value is child else route.params[name].check(value)
+              for name, value in given.items()}
     missing = [p.name for p in route.params.values() if p.required and p.name not in params]
     if missing:
         raise MissingParameter(f"Missing required parameter: {', '.join(missing)}.",
@@ -3621,6 +3920,10 @@ class _Service:
         except Exception:
             _log.exception("internal error, responseId %s", response_id)
             outcome = _internal_error(response_id)
+        finally:
+            child = request.environ.pop(_BODY_CHILD, None)
+            if child is not None:
+                child.close()
         if keyed is not None:   # a failed request (or one not 2xx) frees its key
             keyed.release(self.conn())
         return self.finish(response_id, started, outcome, raw_ids, "/v1" + route.path)
@@ -5963,6 +6266,16 @@ class _Importer:
         # How the chunks reach recipient: the engine's way (_SqliteImportWrites).
         self.writes = conn.import_writes(self)
 
+    @classmethod
+    def reading(cls, names, errors):
+        """An importer that checks rows without a database, in a reading
+        child (_child_rows): its flush() is set to send the chunks."""
+        importer = cls.__new__(cls)
+        importer.names, importer.errors, importer.pending = names, errors, {}
+        importer.rows = importer.skipped = 0
+        importer.unmade, importer.made, importer.last_keys = {}, {}, (None, None)
+        return importer
+
     def report(self, number, error):
         if len(self.errors) < _ROWS_REPORTED:
             self.errors.append({"row": str(number), "error": error})
@@ -6053,15 +6366,27 @@ class _Importer:
 
     def turn(self, rows):
         """Before writing ``rows`` rows: when they would take the transaction
-        past _COMMIT_ROWS, commit what is written first (commit())."""
+        past _COMMIT_ROWS, or a writer of this process waits for its turn,
+        commit what is written first (commit())."""
         if self.since is None:
             return
-        if self.since and self.since + rows > _COMMIT_ROWS:
-            self.writes.finish()   # the figures final for what is written
-            self.committed = True     # (at worst nothing was: then no record is failed)
-            self.commit(self)
-            self.since = 0
+        if self.since and (self.since + rows > _COMMIT_ROWS or self.conn.writers_waiting()):
+            self._commit()
         self.since += rows
+
+    def give_way(self):
+        """While the import waits for its next rows (the reading child):
+        a writer of this process waiting for its turn has it now, with the
+        rows written so far committed, instead of after a whole chunk of
+        _COMMIT_ROWS (the import held the lock while it waited)."""
+        if self.since and self.conn.writers_waiting():
+            self._commit()
+
+    def _commit(self):
+        self.writes.finish()   # the figures final for what is written
+        self.committed = True     # (at worst nothing was: then no record is failed)
+        self.commit(self)
+        self.since = 0
 
     @property
     def hears_added(self):
@@ -6146,9 +6471,6 @@ def _sniff_delimiter(line):
 
 #: Bytes of a quote-free CSV file decoded and split at a time (ends on a line end).
 _BLOCK_BYTES = 1 << 18
-#: A CSV upload of this many bytes or more is read and checked in a child
-#: process on SQLite, while this one writes the chunks (_ChildReader).
-_CHILD_READS_BYTES = 1 << 20
 
 
 def _csv_delimiter(first, next_line):
@@ -6309,7 +6631,9 @@ class _CsvLayout:
     field of each other column (text cells go to SQL as they are, typed ones
     are converted), and the width that short rows are padded to."""
 
-    def __init__(self, importer, header, nul):
+    def __init__(self, importer, header, nul, columns=None):
+        """``columns``: what importer.column() gave for each named column
+        (a reading child's importer has no database to ask)."""
         if not header or not any(cell.strip() for cell in header):
             raise InvalidData("The upload has no header row; nothing was imported.",
                               field="__uploaddata__")
@@ -6318,9 +6642,11 @@ class _CsvLayout:
         if self.email_at is None:
             raise InvalidData("The upload has no email column (named email, e-mail or "
                               "emailaddress); nothing was imported.", field="__uploaddata__")
-        columns = [(i, column) for i, column in ((i, importer.column(name)) for i, name
-                                                 in enumerate(header) if i != self.email_at)
-                   if column]
+        if columns is None:
+            columns = [(i, importer.column(name)) for i, name in enumerate(header)
+                       if i != self.email_at]
+        self.header, self.columns = header, columns
+        columns = [(i, column) for i, column in columns if column]
         text = [(i, key) for i, (key, kind) in columns if kind == "text"]
         typed = [(i, key, kind) for i, (key, kind) in columns if kind != "text"]
         self.text_cells = _picker([i for i, _ in text])
@@ -6402,113 +6728,82 @@ def _csv_batch(importer, layout, number, records):
 _IS_CSV_ERROR = csv.Error.__instancecheck__
 
 
-def _import_csv(importer, raw):
-    """Read a CSV file lazily, a batch of records at a time, into the importer
-    (a large one on SQLite through a child process: see _ChildReader)."""
-    header, batches = _csv_records(raw)
-    layout = _CsvLayout(importer, header, nul=b"\x00" in raw)
-    if importer.conn.forks_reader and len(raw) >= _CHILD_READS_BYTES:
-        return _ChildReader(importer, layout).run(batches)
+def _import_csv(importer, upload):
+    """Read a CSV file lazily, a batch of records at a time, into the importer.
+    ``upload``: its bytes, or the _BodyChild that holds them and has read
+    their header (_child_csv): then the child reads it (_ChildReader)."""
+    if isinstance(upload, _BodyChild):
+        header, nul = upload.csv
+        return _ChildReader(importer, _CsvLayout(importer, header, nul)).run(upload)
+    header, batches = _csv_records(upload)
+    layout = _CsvLayout(importer, header, nul=b"\x00" in upload)
     number = 1
     for records in batches:
         number = _csv_batch(importer, layout, number, records)
 
 
-def _open_max():
-    """One past the highest file descriptor a process may have."""
-    try:
-        return os.sysconf("SC_OPEN_MAX")
-    except (ValueError, OSError):
-        return 65536
+def _refuse_binary(raw):
+    """Refuse an upload that is no text: a ZIP file (a spreadsheet), or NUL
+    bytes throughout.  A stray NUL in one cell is that row's problem (skipped)."""
+    sample = raw[:4096]
+    if not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) and (
+            raw.startswith(b"PK\x03\x04") or sample.count(b"\x00") > max(1, len(sample) // 100)):
+        kind = " (a ZIP file, such as an Excel .xlsx: save it as CSV)" \
+            if raw.startswith(b"PK\x03\x04") else ""
+        raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
+                          field="__uploaddata__")
+
+
+def _child_csv(state, upload_type):
+    """In a _BodyChild: the upload as CSV bytes, checked as _import_create()
+    checks them; yields its header and whether it holds a NUL byte, and
+    keeps its batches of records for _child_rows()."""
+    raw = _upload_bytes(upload_type, state.pop("__uploaddata__"))
+    _refuse_binary(raw)
+    header, state["batches"] = _csv_records(raw)
+    yield header, b"\x00" in raw
+
+
+def _child_upload(state):
+    """In a _BodyChild: the upload as it is (a json upload)."""
+    yield state.pop("__uploaddata__")
 
 
 class _ChildReader:
-    """A large CSV upload on SQLite, read by two processes at once: a child
-    forked here parses and checks the records and builds each chunk's JSON
-    (the Python half of an import, which the GIL would keep from overlapping
-    with anything in this process) while this one writes the chunk before it
-    (the SQLite half), in the request's one transaction.
+    """A large CSV upload, read by two processes at once: the request's
+    _BodyChild, which parsed the body, parses and checks the records and
+    packs each chunk (the Python half of an import, which the GIL would keep
+    from overlapping with anything in this process), while this one writes
+    the chunk before it (the database's half), in the request's transaction.
 
-    The child never touches the database: its importer sends each chunk down
-    a pipe (marshal) instead of writing it.  The new fields of the columns are
-    made before the fork, so that the child names them by id (renaming them
+    The child never touches the database: its importer sends each chunk
+    down the pipe, packed by the engine's writes (``pack``: on SQLite the
+    chunk's JSON), instead of writing it.  The new fields of the columns are
+    made before the child reads, so that it names them by id (renaming them
     in each chunk cost the writer a second per million rows), and removed
     again if no row was stored, as add() would not have made them.  Last the
     child sends the figures and the row errors, or the exception that stopped
-    it, raised here as if read here.  The child is reaped on every path; on
-    an error here it is killed first.
+    it, raised here as if read here.
     """
 
     def __init__(self, importer, layout):
         self.importer, self.layout = importer, layout
 
-    def run(self, batches):
-        importer = self.importer
-        made = [label for key, label in importer.unmade.items() if key in self.layout.keys]
-        self.layout.keys = importer.stored_keys(self.layout.keys)
+    def run(self, child):
+        importer, layout = self.importer, self.layout
+        made = [label for key, label in importer.unmade.items() if key in layout.keys]
+        layout.keys = importer.stored_keys(layout.keys)
         self.stored = False
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            # Only the pipe stays open here: a copy of a socket of the app's
-            # other requests would keep each connection the app closes open
-            # until the import ends (their clients waited that long).
-            os.closerange(3, write_end)
-            os.closerange(write_end + 1, _open_max())
-            self._read(batches, write_end)  # never returns
-        os.close(write_end)
-        done = False
-        try:
-            with open(read_end, "rb") as source:
-                while not done:
-                    done = self._receive(*marshal.load(source))
-        except EOFError:
-            raise RuntimeError("The import's reader process ended early.") from None
-        finally:
-            if not done:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+        spec = (layout.header, layout.nul, layout.columns, layout.keys, importer.names,
+                importer.errors, type(importer.writes).pack)
+        for message in child.call(_child_rows, spec, idle=importer.give_way):
+            self._receive(*message)
         if made and not self.stored:
             importer.conn.executemany("DELETE FROM field WHERE datasource = ? AND name = ?",
                                       [(importer.datasource, label) for label in made])
 
-    def _read(self, batches, write_end):
-        """The child: read every batch, send the chunks, the figures, or why not."""
-        status = 1
-        try:
-            gc.disable()  # it ends with the import: no cycles worth a collection
-            with open(write_end, "wb") as out:
-                importer = self.importer
-                importer.unmade, importer.made = {}, {}    # made already (run())
-
-                def send():
-                    pending, importer.pending = importer.pending, {}
-                    if pending:
-                        marshal.dump(("chunk", _chunk_json(pending), len(pending),
-                                      importer.rows, importer.skipped, importer.errors), out)
-
-                importer.flush = send
-                try:
-                    number = 1
-                    for records in batches:
-                        number = _csv_batch(importer, self.layout, number, records)
-                    send()
-                    message = ("done", importer.rows, importer.skipped, importer.errors)
-                except UnicodeDecodeError as error:
-                    message = ("undecodable", error.encoding, error.reason)
-                except ApiError as error:
-                    message = ("refused", type(error).__name__, error.message, error.extra)
-                except Exception:
-                    message = ("failed", traceback.format_exc())
-                marshal.dump(message, out)
-            status = 0
-        finally:
-            os._exit(status)
-
     def _receive(self, kind, *data):
-        """One message of the child; True once it sent the figures."""
+        """One message of the child."""
         importer = self.importer
         if kind == "chunk":
             chunk, rows, *figures = data
@@ -6516,19 +6811,44 @@ class _ChildReader:
             importer.rows, importer.skipped, importer.errors = figures
             importer.counted = (importer.rows, importer.skipped)
             self.stored = True
-            blanks = dict.fromkeys(self.layout.keys)
-            importer.writes.write(chunk, lambda address, values: _to_json(
-                {**blanks, **json.loads(values)}))
-            return False
-        if kind == "done":
+            importer.writes.unpack(chunk, self.layout.keys)
+        else:   # "done"
             importer.rows, importer.skipped, importer.errors = data
-            return True
-        if kind == "undecodable":
-            raise UnicodeDecodeError(data[0], b"", 0, 0, data[1])
-        if kind == "refused":
-            refusal = {error.__name__: error for error in ApiError.__subclasses__()}[data[0]]
-            raise refusal(data[1], **data[2])
-        raise RuntimeError(f"The import's reader process failed:\n{data[0]}")
+
+
+def _child_rows(state, spec):
+    """In a _BodyChild: the records of the upload (_child_csv) checked by an
+    importer of the same columns, yielding each chunk packed (``pack``) with
+    the figures so far, then the last figures (see _ChildReader)."""
+    header, nul, columns, keys, names, errors, pack = spec
+    importer = _Importer.reading(names, errors)
+    layout = _CsvLayout(importer, header, nul, columns)
+    layout.keys, chunks, sent = keys, [], [0, 0, 0]   # sent: rows, skipped, errors
+
+    def send():
+        """The chunk in statements of _WRITE_ROWS rows; the figures of the
+        chunk's read rows (and its errors) go with its last one, those
+        before it count the rows written so far (a commit between two of
+        them stores figures that agree with the rows stored)."""
+        pending, importer.pending = importer.pending, {}
+        items = list(pending.items())
+        for start in range(0, len(items), _WRITE_ROWS):
+            piece = dict(items[start:start + _WRITE_ROWS])
+            figures = (importer.rows, importer.skipped, importer.errors) \
+                if start + _WRITE_ROWS >= len(items) else \
+                (sent[0] + start + len(piece), sent[1], importer.errors[:sent[2]])
+            chunks.append(("chunk", pack(piece), len(piece), *figures))
+        sent[:] = importer.rows, importer.skipped, len(importer.errors)
+
+    importer.flush = send
+    number = 1
+    for records in state.pop("batches"):
+        number = _csv_batch(importer, layout, number, records)
+        yield from chunks
+        chunks.clear()
+    send()
+    yield from chunks
+    yield "done", importer.rows, importer.skipped, importer.errors
 
 
 def _import_json(importer, data):
@@ -6584,21 +6904,26 @@ def _import_create(call, child_id):
     upload_type = call.params["__uploadtype__"]
     # Popped, so that once read it is garbage: the upload is the big thing.
     data = call.params.pop("__uploaddata__")
-    raw = None if upload_type == "json" else _upload_bytes(upload_type, data)
-    if raw is not None:
-        data = None
-        # Binary (a spreadsheet, an image): a ZIP file, or NUL bytes throughout.
-        # A stray NUL in one cell is that row's problem (it is skipped).
-        sample = raw[:4096]
-        if not raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) and (
-                raw.startswith(b"PK\x03\x04") or sample.count(b"\x00") > max(1, len(sample) // 100)):
-            kind = " (a ZIP file, such as an Excel .xlsx: save it as CSV)" \
-                if raw.startswith(b"PK\x03\x04") else ""
-            raise InvalidData(f"The upload is not CSV text{kind}; nothing was imported.",
-                              field="__uploaddata__")
+    if isinstance(data, _BodyChild):   # a big body: the child that parsed it reads it
+        raw, data = data, None
+        if upload_type == "json":
+            data = raw.ask(_child_upload)
+            raw = None
+        else:
+            try:
+                raw.csv = raw.ask(_child_csv, upload_type)
+            except UnicodeDecodeError:
+                raise InvalidData("The upload is not readable text (UTF-8, UTF-16 or "
+                                  "Latin-1); nothing was imported.",
+                                  field="__uploaddata__") from None
+    elif upload_type == "json":
+        raw = None
+    else:
+        raw, data = _upload_bytes(upload_type, data), None
+        _refuse_binary(raw)
     conn, importer, import_id = call.conn, None, None
     try:
-        with transaction(conn):
+        with conn.writing_long(), transaction(conn):
             # Again in the transaction: the route is no one transaction, so
             # the pipeline's look-up did not refuse a deleted datasource.
             datasource = DATASOURCE.find(conn, call.account, call.parent["id"], live=True)
@@ -14668,7 +14993,8 @@ ROUTES = [
     Route("PUT",    "/datasource/{parent_id}/import/{child_id}", "create", _import_create,
           "name:str! originalfile:str! __uploadtype__:csv|base64|json! __uploaddata__:data!",
           writes=False, changes=True,
-          summary="Import recipients", answers=_ANSWER_ID, body_rules=_TEXT_UNLESS_JSON),
+          summary="Import recipients", answers=_ANSWER_ID, body_rules=_TEXT_UNLESS_JSON,
+          big="__uploaddata__"),
     Route("POST",   "/datasource/{parent_id}/import/{child_id}", "write", IMPORT.change),
     Route("DELETE", "/datasource/{parent_id}/import/{child_id}", "delete", IMPORT.delete),
     # Not one transaction: _run_export() commits its record around the file.

@@ -16,7 +16,7 @@ import pytest
 
 import campaignapi
 from conftest import Api
-from helpers import build_world, bulk_recipients, scalar, spelled
+from helpers import build_world, bulk_recipients, scalar, spelled, wait_for
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -137,6 +137,12 @@ def test_an_import_killed_mid_way_is_failed_at_the_next_start_and_completed_agai
     status, inserted, stored = running_import(db)
     assert status == "running" and 0 < inserted == stored < count
     assert scalar(db, "SELECT count(*) FROM outbox") == 0   # no "finished" mail
+    if db.startswith("postgresql"):
+        # The server ends the dead process's session (and its lock) once it
+        # has stored the COPY data already sent: only then is the process gone.
+        wait_for(lambda: scalar(db, "SELECT count(*) FROM pg_locks WHERE locktype = "
+                                    "'advisory' AND granted") == 0,
+                 what="the killed importer's session to end")
     campaignapi.create_app(db)   # the next start
     assert running_import(db) == ("failed", inserted, stored)
     assert scalar(db, "SELECT finished FROM import") is not None

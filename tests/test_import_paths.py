@@ -6,6 +6,8 @@ import os
 import random
 import re
 import socket
+import threading
+import time
 
 import pytest
 
@@ -145,6 +147,15 @@ def children():
     return set(found)
 
 
+def engine_writes(db):
+    """The class that writes an import's chunks on the engine of ``db``."""
+    if db.startswith("postgresql"):
+        # internal: where a reading child's chunks are written, to fail or watch a write
+        return campaignapi._PgImportWrites
+    # internal: where a reading child's chunks are written, to fail or watch a write
+    return campaignapi._SqliteImportWrites
+
+
 def big_upload(count, row=lambda i: f"reader{i}@example.com,Name {i},{i % 90},Town {i % 13}"):
     text = "email,Name,age,Town\n" + "".join(row(i) + "\n" for i in range(count))
     # internal: shrunk so a small upload takes the child reader's path
@@ -196,21 +207,19 @@ def test_an_error_in_the_child_rolls_back_everything(api, db):
 
 
 def test_a_failure_while_writing_stops_and_reaps_the_child(api, db, monkeypatch):
-    if db.startswith("postgresql"):
-        pytest.skip("the child process reads for SQLite only")
     ds, before = make_datasource(api), children()
     written = []
 
-    def fail_on_third(self, chunk, patch):
+    def fail_on_third(self, chunk, keys):
         written.append(chunk)
         if len(written) == 3:
             raise campaignapi.Conflict("stop here")
-        return write(self, chunk, patch)
+        return write(self, chunk, keys)
 
-    # internal: a failure injected between two chunk writes of SQLite's import
-    writes = campaignapi._SqliteImportWrites
-    write = writes.write
-    monkeypatch.setattr(writes, "write", fail_on_third)
+    # internal: a failure injected between two chunk writes of the engine's import
+    writes = engine_writes(db)
+    write = writes.unpack
+    monkeypatch.setattr(writes, "unpack", fail_on_third)
     error = import_csv(api, ds, big_upload(30000), status=409)
     assert error["message"] == "stop here"
     assert scalar(db, "SELECT count(*) FROM recipient") == 0
@@ -230,24 +239,95 @@ def test_a_child_read_upload_without_a_stored_row_makes_no_field(api, db):
 def test_the_reading_child_keeps_no_socket_of_the_app_open(api, db, monkeypatch):
     """A connection the app closes while the child reads is closed for its
     client at once, not when the import ends: the child keeps only its pipe."""
-    if db.startswith("postgresql"):
-        pytest.skip("the child process reads for SQLite only")
     ds, seen = make_datasource(api), []
     ours, peer = socket.socketpair()   # stands for a client connection of the app
 
-    def closing_a_connection(self, chunk, patch):
+    def closing_a_connection(self, chunk, keys):
         if not seen:   # the child is reading the next chunks meanwhile
             ours.close()
             peer.settimeout(5)
             seen.append(peer.recv(1))   # end of stream, unless a copy is open
-        return write(self, chunk, patch)
+        return write(self, chunk, keys)
 
     # internal: a client closed while the child reads, between two chunk writes
-    writes = campaignapi._SqliteImportWrites
-    write = writes.write
-    monkeypatch.setattr(writes, "write", closing_a_connection)
+    writes = engine_writes(db)
+    write = writes.unpack
+    monkeypatch.setattr(writes, "unpack", closing_a_connection)
     try:
         import_csv(api, ds, big_upload(30000))
     finally:
         peer.close()
     assert seen == [b""]
+
+
+def test_a_big_body_is_parsed_by_the_child_not_by_the_server(api, db, monkeypatch):
+    """The JSON of a big import body is parsed in the child (both engines):
+    the request's process never decodes it; a small body is parsed here."""
+    # internal: where a request body is parsed, to see which process does it
+    parsed_here, parse = [], campaignapi._json_object
+    ds, before = make_datasource(api), children()
+
+    def recording(body):   # runs in the child too, where its list is the child's
+        parsed_here.append(len(body))
+        return parse(body)
+
+    # internal: where a request body is parsed, to see which process does it
+    monkeypatch.setattr(campaignapi, "_json_object", recording)
+    record = get_import(api, ds, import_csv(api, ds, big_upload(30000))["id"])
+    assert (record["status"], record["inserted"]) == ("finished", "30000")
+    assert parsed_here == [] and children() <= before
+    import_csv(api, ds, "email\nsmall@example.com\n")
+    assert len(parsed_here) == 1
+
+
+def test_a_bad_big_body_is_refused_as_in_process(api, db):
+    """The child's parse answers what the request's process would: 400 for
+    JSON that does not parse, 422 for an upload that is no base64."""
+    ds, before = make_datasource(api), children()
+    # internal: a body big enough for the child
+    padding = "x" * campaignapi._CHILD_READS_BYTES
+    broken = f'{{"name": "x", "originalfile": "{padding}", "__uploadtype__": "csv",'.encode()
+    response = api.client.put(f"/v1/datasource/{ds}/import/0", broken, headers={
+        **api.headers, "Content-Type": "application/json"}, expect_errors=True)
+    assert response.status_int == 400 and response.json["data"]["error"] == "invalid_json"
+    error = api.put(f"/datasource/{ds}/import/0", status=422, name="x", originalfile="x.csv",
+                    __uploadtype__="base64", __uploaddata__="!" + padding)
+    assert error["error"] == "invalid_data" and "base64" in error["message"]
+    assert scalar(db, "SELECT count(*) FROM import") == 0 and children() <= before
+
+
+def test_a_writer_that_comes_during_an_import_goes_before_the_import_ends(
+        api, db, monkeypatch):
+    """A write with a key that comes while the child reads does not wait for
+    the import's commit (made here as large as the upload): the import
+    commits what it wrote and lets the writer go first."""
+    if db.startswith("postgresql"):
+        pytest.skip("PostgreSQL writers wait only for the rows they touch")
+    # internal: one commit for the whole upload unless a writer waits
+    monkeypatch.setattr(campaignapi, "_COMMIT_ROWS", 10**9)
+    ds, seen, threads = make_datasource(api), [], []
+    writes = engine_writes(db)
+    write = writes.unpack
+
+    def writer():
+        api.put("/datasource/0", name="made during the import")
+        seen.append(scalar(db, "SELECT count(*) FROM recipient WHERE datasource = ?", ds))
+
+    def with_a_writer(self, chunk, keys):
+        write(self, chunk, keys)
+        if not threads:   # the first statement is written: a writer comes now
+            threads.append(threading.Thread(target=writer))
+            threads[0].start()
+            # internal: go on once the writer waits for its turn (bounded)
+            turns = self.importer.conn.turns
+            for _ in range(500):
+                if turns.queue or seen:
+                    break
+                time.sleep(0.01)
+
+    # internal: a writer started between two statements of the import
+    monkeypatch.setattr(writes, "unpack", with_a_writer)
+    record = get_import(api, ds, import_csv(api, ds, big_upload(30000))["id"])
+    threads[0].join(30)
+    assert record["inserted"] == "30000"
+    assert len(seen) == 1 and 0 < seen[0] < 30000   # committed while the import ran
