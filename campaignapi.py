@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 import argparse
+import atexit
 import base64
 import binascii
 import calendar
@@ -96,6 +97,7 @@ import time
 import traceback
 import types
 import urllib.parse
+import weakref
 
 import bottle
 import flufl.bounce
@@ -3509,6 +3511,28 @@ def _server_address(text, what):
 _PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
 _INTAKE_CHUNK = 500
+#: Opens and clicks held in memory at most (per app) while another thread
+#: writes: past it a request writes its own, waiting as before (never dropped).
+_HELD_MAX = 10000
+#: How long the thread that writes held opens and clicks lets more come before
+#: it writes them (s): the most a SIGKILL can lose is what came meanwhile and
+#: during that one write (README, "Decisions").
+_HELD_INTERVAL = 0.005
+#: How long that thread stays when nothing comes (s); the next open starts it again.
+_HELD_IDLE = 5.0
+#: Apps (their _Intake) of this process: what holds opens and clicks, written
+#: out when the process ends normally (atexit) and when a worker stops.
+_INTAKES = weakref.WeakSet()
+_INTAKES_LOCK = threading.Lock()
+
+
+def _write_held_all(close=False):
+    """Write every app's held opens and clicks now (``close``: and from now on
+    at once, as the process ends)."""
+    with _INTAKES_LOCK:
+        intakes = list(_INTAKES)
+    for intake in intakes:
+        intake.flush(close=close)
 
 
 class _Intake:
@@ -3526,11 +3550,21 @@ class _Intake:
         # others brought meanwhile too (group commit): one transaction for
         # many opens under load.
         self.writer, self.waiting = threading.Lock(), []
+        # Opens and clicks that came while another thread was writing: the
+        # request is answered at once and they are written behind it, by the
+        # thread "campaignapi-held" (write_held()); None after close().
+        self.held, self.holder, self.wake = [], None, threading.Event()
+        with _INTAKES_LOCK:
+            if not _INTAKES:
+                atexit.register(_write_held_all, close=True)
+            _INTAKES.add(self)
 
     def take(self, call):
         """Apply the request's call.later() writes at once, or keep them."""
         items = call.memo.pop("later", None)
         if not items:
+            return
+        if all(kind == "event" for kind, _ in items) and self._hold(items):
             return
         with self.lock:
             if self.backlog is None:
@@ -3551,10 +3585,100 @@ class _Intake:
             self.waiting.append(mine)
         with self.writer:
             if mine[2] is None:
+                self.write_held()   # opens and clicks that came before, first
                 with self.lock:
                     turn, self.waiting = self.waiting, []
                 self._commit(turn)
         return mine[2]
+
+    def _hold(self, items):
+        """Opens and clicks (``items``): written now, with any held, when no
+        other thread of the app is writing; else held for the thread that
+        writes them next (a request is answered without waiting for another's
+        commit).  False when the app is closed or _HELD_MAX are held: the
+        request applies them itself, as any public write."""
+        with self.lock:
+            if self.held is None or len(self.held) >= _HELD_MAX:
+                return False
+            self.held.extend(items)
+        if self.writer.acquire(blocking=False):
+            try:
+                self.write_held()
+                return True
+            except Exception as error:   # held again: the thread tries again
+                _log.warning("held opens and clicks not written yet: %s", error)
+            finally:
+                self.writer.release()
+        self.wake.set()
+        with self.lock:
+            if self.holder is None or not self.holder.is_alive():
+                self.holder = threading.Thread(target=self._write_behind, daemon=True,
+                                               name="campaignapi-held")
+                self.holder.start()
+        return True
+
+    def write_held(self):
+        """Under self.writer: write the held opens and clicks in one
+        transaction (in the intake, behind any kept writes, when the database
+        is busy, as take() does)."""
+        with self.lock:
+            items, self.held = self.held, ([] if self.held is not None else None)
+        if not items:
+            return
+        call = _Call(self.service.conn(), None, {}, self.service, "held")
+        try:
+            with self.lock:
+                if self.backlog is None:
+                    self.backlog = self.kept()
+                backlog = self.backlog
+            entry = [call, items, None]
+            if not backlog:
+                self._commit([entry])
+            if not entry[2]:
+                self._keep(call.conn, items)
+                with self.lock:
+                    self.backlog = True
+                    self._start()
+        except Exception:
+            with self.lock:   # back in front, for the next turn (nothing is dropped)
+                if self.held is None:
+                    _log.exception("held opens and clicks could not be written: %s",
+                                  _to_json(items))
+                else:
+                    self.held[:0] = items
+            raise
+
+    def _write_behind(self):
+        """The thread "campaignapi-held": writes what is held, until nothing
+        comes for _HELD_IDLE."""
+        failures = 0
+        while True:
+            if not self.wake.wait(_HELD_IDLE):
+                with self.lock:
+                    if not self.held:
+                        self.holder = None
+                        return
+            self.wake.clear()
+            time.sleep(_HELD_INTERVAL)
+            try:
+                with self.writer:
+                    self.write_held()
+                failures = 0
+            except Exception as error:   # a lost connection, the intake unwritable
+                failures += 1
+                _log.warning("held opens and clicks not written yet: %s", error)
+                time.sleep(min(0.01 * 2 ** failures, 5.0))
+                self.wake.set()
+
+    def flush(self, close=False):
+        """Write the held opens and clicks now; ``close``: and from now on
+        every one in its request, as before (the app's close(), the end of the
+        process)."""
+        with self.writer:
+            self.write_held()
+            if close:
+                with self.lock:
+                    self.held = None
 
     def _commit(self, turn):
         conn = self.store.quick(turn[0][0].conn)
@@ -3647,6 +3771,19 @@ def _apply_later(call, items, apart=True):
     row gone) is logged with what it carried and left out, never blocking the
     others.  Waiting is not failing: a lock timeout, a deadlock or a busy
     database ends the transaction, and the writes are tried again."""
+    many = getattr(call.service.later[items[0][0]], "many", None) if len(items) > 1 else None
+    if apart and many is not None:
+        # Writes of one kind in a row that can go together (opens and clicks):
+        # one statement for them all (a savepoint each is most of their
+        # cost); one by one only when that fails.
+        run = next((n for n, (kind, _) in enumerate(items) if kind != items[0][0]), len(items))
+        try:
+            with transaction(call.conn):
+                many(call, [payload for _, payload in items[:run]])
+            items = items[run:]
+        except Exception as error:
+            if _transient(error):
+                raise
     for kind, payload in items:
         if not apart:
             call.service.later[kind](call, **payload)
@@ -9692,6 +9829,11 @@ def _campaign_email(conn, secret, purpose, token, size=1):
     return (row, numbers) if row is not None else (None, None)
 
 
+_EVENT_INSERT = (
+    "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
+    f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})")
+
+
 def _record_event(conn, kind, email, link=None, created=None):
     """Count an open or a click of a campaign email (a row of
     _campaign_email(), or its dict) in the statistics: one INSERT.
@@ -9699,11 +9841,17 @@ def _record_event(conn, kind, email, link=None, created=None):
     :param created: when it happened (default: now); a kept count is
         written later with the time it came.
     """
-    conn.execute(
-        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
-        f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
-        (email["account"], kind, email["campaign"], email["batch"], email["outbox"],
-         email["email"], link, created or _now(), email["outbox"]))
+    _record_events(conn, [{"kind": kind, "email": email, "link": link, "created": created}])
+
+
+def _record_events(conn, counts):
+    """_record_event() of many: ``counts`` as _count_later() gives them
+    (kind, email, link, created), in one statement."""
+    now = _now()
+    conn.executemany(_EVENT_INSERT, [
+        (email["account"], count["kind"], email["campaign"], email["batch"], email["outbox"],
+         email["email"], count["link"], count["created"] or now, email["outbox"])
+        for count in counts for email in (count["email"],)])
 
 
 def _count_later(call, kind, email, link=None):
@@ -10504,12 +10652,19 @@ def _report_page(call, token):
     return page
 
 
+def _apply_count(call, kind, email, link, created):
+    """An open or a click kept by call.later() (_count_later())."""
+    _record_event(call.conn, kind, email, link, created)
+
+
+# Many in a row go in one statement (see _apply_later()).
+_apply_count.many = lambda call, counts: _record_events(call.conn, counts)
+
 #: What the public routes hand to call.later(), by kind: each function
 #: applies one write, its payload as keyword arguments, in the caller's
-#: transaction (see _Intake).
+#: transaction (see _Intake); one with ``many`` applies a run of its kind at once.
 _LATER = {
-    "event": lambda call, kind, email, link, created:
-        _record_event(call.conn, kind, email, link, created),
+    "event": _apply_count,
     "unsubscribe": _apply_unsubscribe,
     "leave": _apply_leave,
     "signup": _apply_signup,
@@ -13714,6 +13869,7 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
             thread.join(0.5)
     if worker.look is not None:
         worker.look.close()
+    _write_held_all()   # opens and clicks an app of this process holds: stored as it stops
 
 
 # ---------------------------------------------------------------------------
@@ -14546,6 +14702,23 @@ def _checked_bounce_settings(config):
     return {**config, "ses_topic_arns": arns}
 
 
+class _Closing:
+    """The Bottle plugin that makes the app's ``close()`` write what it
+    holds (opens and clicks written behind their answers) and write every
+    later one at once.  It changes no route."""
+
+    api, name = 2, "campaignapi-close"
+
+    def __init__(self, service):
+        self.service = service
+
+    def apply(self, callback, route):
+        return callback
+
+    def close(self):
+        self.service.intake.flush(close=True)
+
+
 def create_app(db="campaignapi.db", **config):
     """Build the API as a Bottle app (a WSGI callable) over the database ``db``.
 
@@ -14572,6 +14745,7 @@ def create_app(db="campaignapi.db", **config):
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
+    app.install(_Closing(service))   # app.close(): held opens and clicks written
     service.routes = list(ROUTES)
     for route in service.routes:
         app.route(route.rule, route.method,
@@ -14970,6 +15144,7 @@ def _cmd_serve(args):
         raise _Refused(f"cannot listen on {_url_host(args.host)}:{port}: "
                        f"{error.strerror or error}") from None
     finally:
+        app.close()   # the opens and clicks answered and still held, written now
         stop.set()
         worker.join(timeout=60)
 
