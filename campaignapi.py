@@ -3520,6 +3520,8 @@ _HELD_MAX = 10000
 _HELD_INTERVAL = 0.005
 #: How long that thread stays when nothing comes (s); the next open starts it again.
 _HELD_IDLE = 5.0
+#: How long a stop waits for the thread writing at the moment (s).
+_HELD_STOP_WAIT = 30.0
 #: Apps (their _Intake) of this process: what holds opens and clicks, written
 #: out when the process ends normally (atexit) and when a worker stops.
 _INTAKES = weakref.WeakSet()
@@ -3564,7 +3566,8 @@ class _Intake:
         items = call.memo.pop("later", None)
         if not items:
             return
-        if all(kind == "event" for kind, _ in items) and self._hold(items):
+        if all(hasattr(self.service.later[kind], "many") for kind, _ in items) \
+                and self._hold(items):
             return
         with self.lock:
             if self.backlog is None:
@@ -3674,11 +3677,17 @@ class _Intake:
         """Write the held opens and clicks now; ``close``: and from now on
         every one in its request, as before (the app's close(), the end of the
         process)."""
-        with self.writer:
+        if not self.writer.acquire(timeout=_HELD_STOP_WAIT):   # a writer stuck: say what is lost
+            _log.error("held opens and clicks not written (the app's writer is stuck): %s",
+                       _to_json(self.held or []))
+            return
+        try:
             self.write_held()
             if close:
                 with self.lock:
                     self.held = None
+        finally:
+            self.writer.release()
 
     def _commit(self, turn):
         conn = self.store.quick(turn[0][0].conn)
@@ -9829,11 +9838,6 @@ def _campaign_email(conn, secret, purpose, token, size=1):
     return (row, numbers) if row is not None else (None, None)
 
 
-_EVENT_INSERT = (
-    "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
-    f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})")
-
-
 def _record_event(conn, kind, email, link=None, created=None):
     """Count an open or a click of a campaign email (a row of
     _campaign_email(), or its dict) in the statistics: one INSERT.
@@ -9841,26 +9845,44 @@ def _record_event(conn, kind, email, link=None, created=None):
     :param created: when it happened (default: now); a kept count is
         written later with the time it came.
     """
-    _record_events(conn, [{"kind": kind, "email": email, "link": link, "created": created}])
+    conn.execute(
+        "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, "
+        f"prepared) VALUES (?, ?, ?, ?, ?, ?, ?, ?, {_EMAIL_PREPARED})",
+        (email["account"], kind, email["campaign"], email["batch"], email["outbox"],
+         email["email"], link, created or _now(), email["outbox"]))
 
 
-def _record_events(conn, counts):
-    """_record_event() of many: ``counts`` as _count_later() gives them
-    (kind, email, link, created), in one statement."""
-    now = _now()
-    conn.executemany(_EVENT_INSERT, [
-        (email["account"], count["kind"], email["campaign"], email["batch"], email["outbox"],
-         email["email"], count["link"], count["created"] or now, email["outbox"])
-        for count in counts for email in (count["email"],)])
+#: An open or a click of the tracked email ``outbox`` (as _campaign_email()
+#: finds it), written with what the email's row says when it is written:
+#: nothing for an id that names no tracked email.  Parameters: kind, link,
+#: created, outbox.
+_COUNT = (
+    "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, prepared) "
+    "SELECT o.account, ?, b.campaign, o.batch, o.id, o.to_addr, CAST(? AS INTEGER), ?, "
+    "o.prepared FROM outbox o LEFT JOIN batch b ON b.id = o.batch "
+    "WHERE o.id = ? AND (o.kind = 'campaign' OR o.prepared IS NOT NULL)")
 
 
-def _count_later(call, kind, email, link=None):
-    """call.later() of an open or a click of ``email`` (_campaign_email()'s row)."""
-    call.later("event", kind=kind, email={name: email[name] for name in _EVENT_EMAIL},
-               link=link, created=_now())
+def _count_later(call, kind, outbox, link=None):
+    """call.later() of an open or a click of the email ``outbox`` (an id a
+    signed token gave): the request reads nothing for it; its write finds
+    the email (_apply_count())."""
+    call.later("count", kind=kind, outbox=outbox, link=link, created=_now())
 
 
-_EVENT_EMAIL = ("account", "campaign", "batch", "outbox", "email")
+def _apply_count(call, kind, outbox, link, created):
+    """An open or a click kept by call.later() (_count_later())."""
+    _apply_counts(call, [{"kind": kind, "outbox": outbox, "link": link, "created": created}])
+
+
+def _apply_counts(call, counts):
+    """Many of _apply_count() in one statement (opens and clicks are written
+    behind their answers, many at a time: see _Intake)."""
+    call.conn.executemany(_COUNT, [(count["kind"], count["link"], count["created"],
+                                    count["outbox"]) for count in counts])
+
+
+_apply_count.many = _apply_counts
 
 
 def _unsubscribe_subject(call, token):
@@ -10022,9 +10044,9 @@ def _open(call, token):
     """The open image.  Every token gets the same GIF (a broken image would
     show in the email, and the answer tells nothing about the token); only a
     valid one counts an open."""
-    email, _ = _campaign_email(call.conn, call.service.secret, "open", token)
-    if email is not None and _read_by_a_person():
-        _count_later(call, "open", email)
+    numbers = read_token(call.service.secret, "open", token)
+    if numbers is not None and len(numbers) == 1 and _read_by_a_person():
+        _count_later(call, "open", min(numbers[0], MAX_ID))   # beyond any id: none found
     return bottle.HTTPResponse(_GIF_PIXEL, 200, {
         "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0",
         "X-Robots-Tag": "noindex"})
@@ -10049,7 +10071,7 @@ def _click(call, token):
                                       recipient)
     target = _click_target(email["url"], values)
     if _read_by_a_person():
-        _count_later(call, "click", email, numbers[1])
+        _count_later(call, "click", email["outbox"], numbers[1])
     return bottle.HTTPResponse(status=302, headers={
         "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
         "Referrer-Policy": "no-referrer"})
@@ -10652,19 +10674,15 @@ def _report_page(call, token):
     return page
 
 
-def _apply_count(call, kind, email, link, created):
-    """An open or a click kept by call.later() (_count_later())."""
-    _record_event(call.conn, kind, email, link, created)
-
-
-# Many in a row go in one statement (see _apply_later()).
-_apply_count.many = lambda call, counts: _record_events(call.conn, counts)
-
 #: What the public routes hand to call.later(), by kind: each function
 #: applies one write, its payload as keyword arguments, in the caller's
-#: transaction (see _Intake); one with ``many`` applies a run of its kind at once.
+#: transaction (see _Intake).  One with ``many`` (opens and clicks) applies
+#: a run of its kind at once, and may be written behind its answer.
 _LATER = {
-    "event": _apply_count,
+    "count": _apply_count,
+    # An open or a click as an earlier release kept it (the email's row with it).
+    "event": lambda call, kind, email, link, created:
+        _record_event(call.conn, kind, email, link, created),
     "unsubscribe": _apply_unsubscribe,
     "leave": _apply_leave,
     "signup": _apply_signup,
