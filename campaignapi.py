@@ -3575,6 +3575,8 @@ class _Intake:
             backlog = self.backlog
         if not backlog and self._apply_now(call, items):
             return
+        if self.held:
+            self.flush()   # the opens and clicks that came before go first
         self._keep(call.conn, items)
         with self.lock:
             self.backlog = True
