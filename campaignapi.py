@@ -9858,7 +9858,7 @@ def _record_event(conn, kind, email, link=None, created=None):
 #: finds it), written with what the email's row says when it is written:
 #: nothing for an id that names no tracked email.  Parameters: kind, link,
 #: created, outbox.
-_COUNT = (
+_COUNT_OF_OUTBOX = (
     "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, prepared) "
     "SELECT o.account, ?, b.campaign, o.batch, o.id, o.to_addr, CAST(? AS INTEGER), ?, "
     "o.prepared FROM outbox o LEFT JOIN batch b ON b.id = o.batch "
@@ -9880,7 +9880,7 @@ def _apply_count(call, kind, outbox, link, created):
 def _apply_counts(call, counts):
     """Many of _apply_count() in one statement (opens and clicks are written
     behind their answers, many at a time: see _Intake)."""
-    call.conn.executemany(_COUNT, [(count["kind"], count["link"], count["created"],
+    call.conn.executemany(_COUNT_OF_OUTBOX, [(count["kind"], count["link"], count["created"],
                                     count["outbox"]) for count in counts])
 
 
