@@ -3597,16 +3597,20 @@ class _Intake:
         return mine[2]
 
     def _hold(self, items):
-        """Opens and clicks (``items``): written now, with any held, when no
-        other thread of the app is writing; else held for the thread that
-        writes them next (a request is answered without waiting for another's
-        commit).  False when the app is closed or _HELD_MAX are held: the
-        request applies them itself, as any public write."""
+        """Opens and clicks (``items``): written now, with any held, when the
+        app is quiet (no other thread writing, no thread writing behind);
+        else held for the thread that writes them next, and the request is
+        answered without waiting for a commit.  Under load the thread
+        "campaignapi-held" runs, and every count goes behind: one write per
+        _HELD_INTERVAL instead of one per request that finds the writer free.
+        False when the app is closed or _HELD_MAX are held: the request
+        applies them itself, as any public write."""
         with self.lock:
             if self.held is None or len(self.held) >= _HELD_MAX:
                 return False
             self.held.extend(items)
-        if self.writer.acquire(blocking=False):
+            quiet = self.holder is None or not self.holder.is_alive()
+        if quiet and self.writer.acquire(blocking=False):
             try:
                 self.write_held()
                 return True
@@ -10045,7 +10049,8 @@ def _read_by_a_person():
 def _open(call, token):
     """The open image.  Every token gets the same GIF (a broken image would
     show in the email, and the answer tells nothing about the token); only a
-    valid one counts an open."""
+    valid one counts an open.  Nothing is read here: the signature is the
+    check, and the count finds the email when it is written (_COUNT_OF_OUTBOX)."""
     numbers = read_token(call.service.secret, "open", token)
     if numbers is not None and len(numbers) == 1 and _read_by_a_person():
         _count_later(call, "open", min(numbers[0], MAX_ID))   # beyond any id: none found
