@@ -3552,9 +3552,10 @@ class _Intake:
         # others brought meanwhile too (group commit): one transaction for
         # many opens under load.
         self.writer, self.waiting = threading.Lock(), []
-        # Opens and clicks that came while another thread was writing: the
-        # request is answered at once and they are written behind it, by the
-        # thread "campaignapi-held" (write_held()); None after close().
+        # Opens and clicks that came while another thread was writing, or
+        # under load: the request is answered at once and they are written
+        # behind it (write_held()), at the latest by the thread
+        # "campaignapi-held" (holder); None after close().
         self.held, self.holder, self.wake = [], None, threading.Event()
         with _INTAKES_LOCK:
             if not _INTAKES:
