@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 import argparse
+import atexit
 import base64
 import binascii
 import calendar
@@ -97,6 +98,7 @@ import time
 import traceback
 import types
 import urllib.parse
+import weakref
 
 import bottle
 import flufl.bounce
@@ -4055,6 +4057,30 @@ def _server_address(text, what):
 _PUBLIC_WAIT = 50
 #: Kept writes applied per transaction.
 _INTAKE_CHUNK = 500
+#: Opens and clicks held in memory at most (per app) while another thread
+#: writes: past it a request writes its own, waiting as before (never dropped).
+_HELD_MAX = 10000
+#: How long the thread that writes held opens and clicks lets more come before
+#: it writes them (s): the most a SIGKILL can lose is what came meanwhile and
+#: during that one write (README, "Decisions").
+_HELD_INTERVAL = 0.005
+#: How long that thread stays when nothing comes (s); the next open starts it again.
+_HELD_IDLE = 5.0
+#: How long a stop waits for the thread writing at the moment (s).
+_HELD_STOP_WAIT = 30.0
+#: Apps (their _Intake) of this process: what holds opens and clicks, written
+#: out when the process ends normally (atexit) and when a worker stops.
+_INTAKES = weakref.WeakSet()
+_INTAKES_LOCK = threading.Lock()
+
+
+def _write_held_all(close=False):
+    """Write every app's held opens and clicks now (``close``: and from now on
+    at once, as the process ends)."""
+    with _INTAKES_LOCK:
+        intakes = list(_INTAKES)
+    for intake in intakes:
+        intake.flush(close=close)
 
 
 class _Intake:
@@ -4072,11 +4098,23 @@ class _Intake:
         # others brought meanwhile too (group commit): one transaction for
         # many opens under load.
         self.writer, self.waiting = threading.Lock(), []
+        # Opens and clicks that came while another thread was writing, or
+        # under load: the request is answered at once and they are written
+        # behind it (write_held()), at the latest by the thread
+        # "campaignapi-held" (holder); None after close().
+        self.held, self.holder, self.wake = [], None, threading.Event()
+        with _INTAKES_LOCK:
+            if not _INTAKES:
+                atexit.register(_write_held_all, close=True)
+            _INTAKES.add(self)
 
     def take(self, call):
         """Apply the request's call.later() writes at once, or keep them."""
         items = call.memo.pop("later", None)
         if not items:
+            return
+        if all(hasattr(self.service.later[kind], "many") for kind, _ in items) \
+                and self._hold(items):
             return
         with self.lock:
             if self.backlog is None:
@@ -4084,6 +4122,8 @@ class _Intake:
             backlog = self.backlog
         if not backlog and self._apply_now(call, items):
             return
+        if self.held:
+            self.flush()   # the opens and clicks that came before go first
         self._keep(call.conn, items)
         with self.lock:
             self.backlog = True
@@ -4097,10 +4137,110 @@ class _Intake:
             self.waiting.append(mine)
         with self.writer:
             if mine[2] is None:
+                self.write_held()   # opens and clicks that came before, first
                 with self.lock:
                     turn, self.waiting = self.waiting, []
                 self._commit(turn)
         return mine[2]
+
+    def _hold(self, items):
+        """Opens and clicks (``items``): written now, with any held, when the
+        app is quiet (no other thread writing, no thread writing behind);
+        else held for the thread that writes them next, and the request is
+        answered without waiting for a commit.  Under load the thread
+        "campaignapi-held" runs, and every count goes behind: one write per
+        _HELD_INTERVAL instead of one per request that finds the writer free.
+        False when the app is closed or _HELD_MAX are held: the request
+        applies them itself, as any public write."""
+        with self.lock:
+            if self.held is None or len(self.held) >= _HELD_MAX:
+                return False
+            self.held.extend(items)
+            quiet = self.holder is None or not self.holder.is_alive()
+        if quiet and self.writer.acquire(blocking=False):
+            try:
+                self.write_held()
+                return True
+            except Exception as error:   # held again: the thread tries again
+                _log.warning("held opens and clicks not written yet: %s", error)
+            finally:
+                self.writer.release()
+        self.wake.set()
+        with self.lock:
+            if self.holder is None or not self.holder.is_alive():
+                self.holder = threading.Thread(target=self._write_behind, daemon=True,
+                                               name="campaignapi-held")
+                self.holder.start()
+        return True
+
+    def write_held(self):
+        """Under self.writer: write the held opens and clicks in one
+        transaction (in the intake, behind any kept writes, when the database
+        is busy, as take() does)."""
+        with self.lock:
+            items, self.held = self.held, ([] if self.held is not None else None)
+        if not items:
+            return
+        call = _Call(self.service.conn(), None, {}, self.service, "held")
+        try:
+            with self.lock:
+                if self.backlog is None:
+                    self.backlog = self.kept()
+                backlog = self.backlog
+            entry = [call, items, None]
+            if not backlog:
+                self._commit([entry])
+            if not entry[2]:
+                self._keep(call.conn, items)
+                with self.lock:
+                    self.backlog = True
+                    self._start()
+        except Exception:
+            with self.lock:   # back in front, for the next turn (nothing is dropped)
+                if self.held is None:
+                    _log.exception("held opens and clicks could not be written: %s",
+                                  _to_json(items))
+                else:
+                    self.held[:0] = items
+            raise
+
+    def _write_behind(self):
+        """The thread "campaignapi-held": writes what is held, until nothing
+        comes for _HELD_IDLE."""
+        failures = 0
+        while True:
+            if not self.wake.wait(_HELD_IDLE):
+                with self.lock:
+                    if not self.held:
+                        self.holder = None
+                        return
+            self.wake.clear()
+            time.sleep(_HELD_INTERVAL)
+            try:
+                with self.writer:
+                    self.write_held()
+                failures = 0
+            except Exception as error:   # a lost connection, the intake unwritable
+                failures += 1
+                _log.warning("held opens and clicks not written yet: %s", error)
+                time.sleep(min(0.01 * 2 ** failures, 5.0))
+                self.wake.set()
+
+    def flush(self, close=False):
+        """Write the held opens and clicks now; ``close``: and from now on
+        every one in its request, as before (the app's close(), the end of the
+        process)."""
+        if not self.writer.acquire(timeout=_HELD_STOP_WAIT):   # a writer stuck: say what is lost
+            _log.error("held opens and clicks not written (the app's writer is stuck): %s",
+                       _to_json(self.held or []))
+            return
+        try:
+            self.write_held()
+            if close:
+                with self.lock:
+                    self.held = None
+        finally:
+            self.writer.release()
 
     def _commit(self, turn):
         conn = self.store.quick(turn[0][0].conn)
@@ -4193,6 +4333,19 @@ def _apply_later(call, items, apart=True):
     row gone) is logged with what it carried and left out, never blocking the
     others.  Waiting is not failing: a lock timeout, a deadlock or a busy
     database ends the transaction, and the writes are tried again."""
+    many = getattr(call.service.later[items[0][0]], "many", None) if len(items) > 1 else None
+    if apart and many is not None:
+        # Writes of one kind in a row that can go together (opens and clicks):
+        # one statement for them all (a savepoint each is most of their
+        # cost); one by one only when that fails.
+        run = next((n for n, (kind, _) in enumerate(items) if kind != items[0][0]), len(items))
+        try:
+            with transaction(call.conn):
+                many(call, [payload for _, payload in items[:run]])
+            items = items[run:]
+        except Exception as error:
+            if _transient(error):
+                raise
     for kind, payload in items:
         if not apart:
             call.service.later[kind](call, **payload)
@@ -10420,13 +10573,37 @@ def _record_event(conn, kind, email, link=None, created=None):
          email["email"], link, created or _now(), email["outbox"]))
 
 
-def _count_later(call, kind, email, link=None):
-    """call.later() of an open or a click of ``email`` (_campaign_email()'s row)."""
-    call.later("event", kind=kind, email={name: email[name] for name in _EVENT_EMAIL},
-               link=link, created=_now())
+#: An open or a click of the tracked email ``outbox`` (as _campaign_email()
+#: finds it), written with what the email's row says when it is written:
+#: nothing for an id that names no tracked email.  Parameters: kind, link,
+#: created, outbox.
+_COUNT_OF_OUTBOX = (
+    "INSERT INTO event (account, kind, campaign, batch, outbox, email, link, created, prepared) "
+    "SELECT o.account, ?, b.campaign, o.batch, o.id, o.to_addr, CAST(? AS INTEGER), ?, "
+    "o.prepared FROM outbox o LEFT JOIN batch b ON b.id = o.batch "
+    "WHERE o.id = ? AND (o.kind = 'campaign' OR o.prepared IS NOT NULL)")
 
 
-_EVENT_EMAIL = ("account", "campaign", "batch", "outbox", "email")
+def _count_later(call, kind, outbox, link=None):
+    """call.later() of an open or a click of the email ``outbox`` (an id a
+    signed token gave): the request reads nothing for it; its write finds
+    the email (_apply_count())."""
+    call.later("count", kind=kind, outbox=outbox, link=link, created=_now())
+
+
+def _apply_count(call, kind, outbox, link, created):
+    """An open or a click kept by call.later() (_count_later())."""
+    _apply_counts(call, [{"kind": kind, "outbox": outbox, "link": link, "created": created}])
+
+
+def _apply_counts(call, counts):
+    """Many of _apply_count() in one statement (opens and clicks are written
+    behind their answers, many at a time: see _Intake)."""
+    call.conn.executemany(_COUNT_OF_OUTBOX, [(count["kind"], count["link"], count["created"],
+                                    count["outbox"]) for count in counts])
+
+
+_apply_count.many = _apply_counts
 
 
 def _unsubscribe_subject(call, token):
@@ -10587,10 +10764,11 @@ def _read_by_a_person():
 def _open(call, token):
     """The open image.  Every token gets the same GIF (a broken image would
     show in the email, and the answer tells nothing about the token); only a
-    valid one counts an open."""
-    email, _ = _campaign_email(call.conn, call.service.secret, "open", token)
-    if email is not None and _read_by_a_person():
-        _count_later(call, "open", email)
+    valid one counts an open.  Nothing is read here: the signature is the
+    check, and the count finds the email when it is written (_COUNT_OF_OUTBOX)."""
+    numbers = read_token(call.service.secret, "open", token)
+    if numbers is not None and len(numbers) == 1 and _read_by_a_person():
+        _count_later(call, "open", min(numbers[0], MAX_ID))   # beyond any id: none found
     return bottle.HTTPResponse(_GIF_PIXEL, 200, {
         "Content-Type": "image/gif", "Cache-Control": "no-store, max-age=0",
         "X-Robots-Tag": "noindex"})
@@ -10615,7 +10793,7 @@ def _click(call, token):
                                       recipient)
     target = _click_target(email["url"], values)
     if _read_by_a_person():
-        _count_later(call, "click", email, numbers[1])
+        _count_later(call, "click", email["outbox"], numbers[1])
     return bottle.HTTPResponse(status=302, headers={
         "Location": target, "Cache-Control": "no-store", "X-Robots-Tag": "noindex",
         "Referrer-Policy": "no-referrer"})
@@ -11220,8 +11398,11 @@ def _report_page(call, token):
 
 #: What the public routes hand to call.later(), by kind: each function
 #: applies one write, its payload as keyword arguments, in the caller's
-#: transaction (see _Intake).
+#: transaction (see _Intake).  One with ``many`` (opens and clicks) applies
+#: a run of its kind at once, and may be written behind its answer.
 _LATER = {
+    "count": _apply_count,
+    # An open or a click as an earlier release kept it (the email's row with it).
     "event": lambda call, kind, email, link, created:
         _record_event(call.conn, kind, email, link, created),
     "unsubscribe": _apply_unsubscribe,
@@ -14439,6 +14620,7 @@ def run_worker(db, stop_event, smtp=None, *, interval=1.0, on_event=None,
             thread.join(0.5)
     if worker.look is not None:
         worker.look.close()
+    _write_held_all()   # opens and clicks an app of this process holds: stored as it stops
 
 
 # ---------------------------------------------------------------------------
@@ -15272,6 +15454,23 @@ def _checked_bounce_settings(config):
     return {**config, "ses_topic_arns": arns}
 
 
+class _Closing:
+    """The Bottle plugin that makes the app's ``close()`` write what it
+    holds (opens and clicks written behind their answers) and write every
+    later one at once.  It changes no route."""
+
+    api, name = 2, "campaignapi-close"
+
+    def __init__(self, service):
+        self.service = service
+
+    def apply(self, callback, route):
+        return callback
+
+    def close(self):
+        self.service.intake.flush(close=True)
+
+
 def create_app(db="campaignapi.db", **config):
     """Build the API as a Bottle app (a WSGI callable) over the database ``db``.
 
@@ -15298,6 +15497,7 @@ def create_app(db="campaignapi.db", **config):
     app = service.app = bottle.Bottle(catchall=True)
     app.config["campaignapi.service"] = service
     app.default_error_handler = service.bottle_error
+    app.install(_Closing(service))   # app.close(): held opens and clicks written
     service.routes = list(ROUTES)
     for route in service.routes:
         app.route(route.rule, route.method,
@@ -15696,6 +15896,7 @@ def _cmd_serve(args):
         raise _Refused(f"cannot listen on {_url_host(args.host)}:{port}: "
                        f"{error.strerror or error}") from None
     finally:
+        app.close()   # the opens and clicks answered and still held, written now
         stop.set()
         worker.join(timeout=60)
 

@@ -1076,9 +1076,12 @@ def public_pages(db, app, api, campaign, batch):
 
 
 TRACKING_SERVER = """
-import sys, logging, bottle, waitress
+import sys, logging, signal, bottle, waitress
 sys.path.insert(0, sys.argv[3])
 logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+# SIGTERM as a normal exit, as README's Decisions ask of an embedding server:
+# the opens and clicks held behind their answers are written at the exit.
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 import campaignapi
 db, port = sys.argv[1], int(sys.argv[2])
 # One server: the API mounted beside bare routes that answer the same GIF and
@@ -1169,15 +1172,17 @@ def bench_tracking(args, tmp):
         figures["api_p99_ms_during_opens"] = during["p99_ms"]
         figures["api_rps_during_opens"] = during["rps"]
         figures["opens_seconds"] = round(opens["seconds"], 2)
-        conn = campaignapi.connect(db)
         figures["database_pinned"] = bool(pin.pids)
-        figures["opens_counted"] = conn.execute(
-            "SELECT count(*) FROM event WHERE kind = 'open'").fetchone()[0]
-        conn.close()
     finally:
         pin.__exit__()
         server.terminate()
         server.wait(timeout=10)
+    # Counted after the server stopped: opens written behind their answers
+    # are in by then (the interpreter's exit writes what an app holds).
+    conn = campaignapi.connect(db)
+    figures["opens_counted"] = conn.execute(
+        "SELECT count(*) FROM event WHERE kind = 'open'").fetchone()[0]
+    conn.close()
     return figures
 
 
@@ -2116,7 +2121,9 @@ TARGETS = {
     "api": lambda f: f["ratio"] >= 0.6,
     "archive": lambda f: f["archive_seconds"] < 1 and f["batcharchive_seconds"] < 1
     and f["report_ratio"] <= 1.5 and f["public_archive_seconds"] < 0.05,
-    "tracking": lambda f: f["open_ratio"] >= 0.8 and f["click_ratio"] >= 0.8,
+    # Issue 31: 0.8 on SQLite, 0.6 on PostgreSQL (every open also crosses to the server).
+    "tracking": lambda f: min(f["open_ratio"], f["click_ratio"]) >= (
+        0.8 if DB == "sqlite" else 0.6),
     "signup": lambda f: f["errors"] == 0 and f["server_errors"] == 0 and f["reads"] > 0
     and f["stored"] == f["signups"],
     "during-import": lambda f: f["effects_ok"] and all(
@@ -2437,7 +2444,8 @@ ISSUE_TARGETS = {
                      "1M import (each engine)",
     "scale": "every scale step grows linearly or less (x10 rows: <= x12.5), memory flat; "
              "at 10M verify < 5 s, a segment with a field condition < 2 s, import <= 4x at 1M too",
-    "tracking": "tracking open and click >= 0.8 of bare (issue 15)",
+    "tracking": "tracking open and click >= 0.8 of bare on SQLite, 0.6 on PostgreSQL "
+                "(issue 31)",
     "automations": "automations: a date trigger over 1M started and first emails queued <= 10 s "
                    "(SQLite), idle tick < 10 ms, runs advance >= 0.5 of the outbox (issue 26)",
 }

@@ -52,9 +52,11 @@ def kept(app):
 
 
 def settled(app):
-    """Wait until the app's intake is drained (its thread has finished)."""
+    """Wait until the app's intake is drained (its thread has finished) and
+    no open or click is held to be written behind its answer."""
     intake = kept(app)
-    wait_for(lambda: intake.backlog is False, timeout=30, what="the kept writes applied")
+    wait_for(lambda: intake.backlog is False and not intake.held, timeout=30,
+             what="the kept writes applied")
 
 
 @pytest.fixture
