@@ -12759,7 +12759,8 @@ class _Courier:
             clock = int(time.time())
             skip, skipped = self.run.pace.skipped(self.conn, clock)
             rows = self.conn.execute(
-                "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
+                "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ?, "
+                "sent = NULL "
                 f"WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' {priority}"
                 f"AND next_try <= ? {skip}ORDER BY priority DESC, next_try LIMIT ? "
                 f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
@@ -12791,7 +12792,7 @@ class _Courier:
             "LEFT JOIN suppression s ON s.account = d.owner AND s.email = r.email "
             f"WHERE r.id IN ({marks})", ids)}
 
-    def record(self, results, bounces, attempting=None):
+    def record(self, results, bounces, attempting=None, accepted=(), fresh=()):
         """Write the outcomes so far (and empty the lists); with ``attempting``,
         in the same transaction mark that row's SMTP attempt as under way.
 
@@ -12799,16 +12800,29 @@ class _Courier:
         never more than one attempt away from being recorded: a worker
         killed mid-chunk leaves only its one attempting row in doubt.
 
+        The emails the server accepted (``accepted``, outcomes as
+        ``results``) are written in a group, at the chunk's end or every
+        _SENT_GROUP: a status changes the rows of three indexes, a cost per
+        email that was most of a commit's.  Until then each is marked with
+        its ``sent`` time alone (``fresh``: those not marked yet), a column no
+        index holds, so the row stays 'sending' but is known sent: a worker
+        that dies leaves it sent (_take_back()), never in doubt or queued.
+
         Returns False when the ``attempting`` row is no longer this worker's
         (its lease ran out and another took it back): it must not be sent."""
         worker, mine = self.run.worker_id, True
         pending = [] if self.run.on_event else None
+        grouped = attempting is None or len(accepted) >= _SENT_GROUP
         with transaction(self.conn):
             self.conn.executemany(
                 "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
                 "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
                 "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
-                [(*result, worker) for result in results])
+                [(*result, worker) for result in [*results, *(accepted if grouped else ())]])
+            if not grouped:
+                self.conn.executemany(
+                    "UPDATE outbox SET sent = ?, attempt_started = NULL WHERE id = ? "
+                    "AND claimed_by = ?", [(result[4], result[5], worker) for result in fresh])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
             # The day's row before the domains' rows, as a claim locks them (no deadlock).
@@ -12820,8 +12834,9 @@ class _Courier:
                 mine = self.conn.execute(
                     "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
                     "AND claimed_by = ?", (_now(), attempting, worker)).rowcount == 1
-        results.clear()
-        bounces.clear()
+        for done in (results, bounces, fresh, *((accepted,) if grouped else ())):
+            if done:
+                done.clear()
         if pending:
             _run_callbacks(self.run.on_event, pending)
         return mine
@@ -13063,9 +13078,12 @@ class _Courier:
         recipients = self.recipients(rows)
         unreachable = None
         ready = {}   # outbox id -> (sender, email bytes) of the next email, built ahead
+        accepted, fresh = [], []   # sent, their status not written yet (record())
 
         def outcome(row, counted, status, attempts, next_try=None, error=None, sent=None):
-            results.append((status, attempts, next_try, error, sent, row["id"]))
+            result = (status, attempts, next_try, error, sent, row["id"])
+            for written in (accepted, fresh) if counted == "sent" else (results,):
+                written.append(result)
             counts[counted] += 1
             if counted != "sent" and row["kind"] in _WARMUP_KINDS:   # admitted, not sent
                 self.unsent[row["kind"] in _BULK_KINDS] += 1
@@ -13115,7 +13133,7 @@ class _Courier:
                 self.offer(row["id"], sender, row["to_addr"])
                 then = self.ahead(rows, recipients, ready)
                 try:
-                    mine = self.record(results, bounces, attempting=row["id"])
+                    mine = self.record(results, bounces, row["id"], accepted, fresh)
                 except BaseException:
                     self.hang_up(polite=False)   # ends an offered transaction unsent
                     raise
@@ -13154,7 +13172,7 @@ class _Courier:
             elif tracked and code < 500:
                 # Given up on a temporary failure: a soft bounce of this email.
                 bounces.append({"type": "soft", "outbox": row["id"]})
-        self.record(results, bounces)
+        self.record(results, bounces, None, accepted, fresh)
         run.add(counts, unreachable)
         return unreachable
 
@@ -13162,14 +13180,21 @@ class _Courier:
 #: Seconds between a courier's looks, within a chunk, for rows of a higher
 #: priority (transactional emails) queued since it claimed the chunk.
 _PRIORITY_LOOK = 0.2
+#: Sent emails whose status a courier writes at once (see _Courier.record()).
+_SENT_GROUP = 100
 
 
 def _take_back(conn, now, stale_claim):
     """Inside a transaction: the rows of leases not renewed since ``now -
-    stale_claim`` (dead workers) go back to the queue, except one whose SMTP
-    attempt had started: it may have arrived, so it is failed (at most once)."""
+    stale_claim`` (dead workers) go back to the queue, except one the server
+    accepted (marked with its sent time, _Courier.record()): it is sent; and
+    one whose SMTP attempt had started: it may have arrived, so it is failed
+    (at most once)."""
     stale = (datetime.datetime.strptime(now, "%Y-%m-%d %H:%M:%S") - stale_claim
              ).strftime("%Y-%m-%d %H:%M:%S")
+    conn.execute("UPDATE outbox SET status = 'sent', attempts = attempts + 1, error = NULL, "
+                 "claimed_by = NULL, claimed_at = NULL, attempt_started = NULL "
+                 "WHERE status = 'sending' AND claimed_at < ? AND sent IS NOT NULL", (stale,))
     conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
                  "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
                  "AND claimed_at < ? AND attempt_started IS NOT NULL", (_INTERRUPTED, stale))
