@@ -501,6 +501,21 @@ def transaction(conn):
         conn.give_turn()
 
 
+@contextlib.contextmanager
+def _one_statement(conn):
+    """For a write that is one statement, atomic by itself: its turn among
+    this process's writers (see transaction()) without BEGIN and COMMIT, which
+    on PostgreSQL are a round trip each.  Inside a transaction, part of it."""
+    if conn.in_transaction:
+        yield conn
+        return
+    conn.take_turn()
+    try:
+        yield conn
+    finally:
+        conn.give_turn()
+
+
 def _next_chunk(conn):
     """Inside transaction(), in a long write made of chunks (an import):
     commit what is done, let this process's writers that came meanwhile have
@@ -12813,27 +12828,37 @@ class _Courier:
         worker, mine = self.run.worker_id, True
         pending = [] if self.run.on_event else None
         grouped = attempting is None or len(accepted) >= _SENT_GROUP
-        with transaction(self.conn):
-            self.conn.executemany(
-                "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
-                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
-                "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
-                [(*result, worker) for result in [*results, *(accepted if grouped else ())]])
-            if not grouped:
+        written = [*results, *(accepted if grouped else ())]
+        uncounted = any(self.unsent) and attempting is None
+        tallied = bool(self.tally) and (attempting is None or any(t[2] for t in
+                                                                  self.tally.values()))
+        # The attempt alone (the common case) is one statement, atomic by itself.
+        alone = not (written or bounces or uncounted or tallied)
+        with (_one_statement if alone else transaction)(self.conn):
+            if written:
                 self.conn.executemany(
-                    "UPDATE outbox SET sent = ?, attempt_started = NULL WHERE id = ? "
-                    "AND claimed_by = ?", [(result[4], result[5], worker) for result in fresh])
+                    "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
+                    "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
+                    "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
+                    [(*result, worker) for result in written])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
             # The day's row before the domains' rows, as a claim locks them (no deadlock).
-            if any(self.unsent) and attempting is None:
+            if uncounted:
                 _uncount_day(self.conn, self.unsent, int(time.time()))
-            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
+            if tallied:
                 _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
             if attempting is not None:
-                mine = self.conn.execute(
-                    "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
-                    "AND claimed_by = ?", (_now(), attempting, worker)).rowcount == 1
+                # One statement: this attempt, and the sent time of those accepted since.
+                marks = [] if grouped else [(result[5], result[4]) for result in fresh]
+                mine = attempting in {row[0] for row in self.conn.execute(
+                    "UPDATE outbox SET attempt_started = CASE WHEN id = ? THEN ? END"
+                    + (f", sent = CASE id{' WHEN ? THEN ?' * len(marks)} ELSE sent END"
+                       if marks else "")
+                    + f" WHERE id IN ({', '.join('?' * (len(marks) + 1))}) "
+                    "AND status = 'sending' AND claimed_by = ? RETURNING id",
+                    (attempting, _now(), *(value for mark in marks for value in mark),
+                     attempting, *(mark[0] for mark in marks), worker))}
         for done in (results, bounces, fresh, *((accepted,) if grouped else ())):
             if done:
                 done.clear()
