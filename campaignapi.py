@@ -534,6 +534,21 @@ def transaction(conn, first=None):
         conn.give_turn()
 
 
+@contextlib.contextmanager
+def _one_statement(conn):
+    """For a write that is one statement, atomic by itself: its turn among
+    this process's writers (see transaction()) without BEGIN and COMMIT, which
+    on PostgreSQL are a round trip each.  Inside a transaction, part of it."""
+    if conn.in_transaction:
+        yield conn
+        return
+    conn.take_turn()
+    try:
+        yield conn
+    finally:
+        conn.give_turn()
+
+
 def _next_chunk(conn):
     """Inside transaction(), in a long write made of chunks (an import):
     commit what is done, let this process's writers that came meanwhile have
@@ -13540,7 +13555,27 @@ class _Unreachable(Exception):
     """The SMTP server cannot be reached or dropped the connection."""
 
 
-def _transact(smtp, sender, recipient, data):
+def _mail_commands(sender, recipient):
+    """The commands that open a mail transaction, and the replies each must
+    get; the command encoding (a non-ASCII address needs SMTPUTF8, RFC 6531:
+    the caller checked the server offers it)."""
+    utf8 = not (sender.isascii() and recipient.isascii())
+    return ((f"MAIL FROM:<{sender}>" + (" SMTPUTF8" if utf8 else ""), f"RCPT TO:<{recipient}>",
+             "DATA"), ((250,), (250, 251), (354,)), "utf-8" if utf8 else "ascii")
+
+
+def _offered(sender, recipient):
+    """The commands that open a mail transaction (MAIL, RCPT, DATA), as the
+    bytes of one write that does not wait for their replies:
+    _transact(..., offered=True) reads them.  For a server that offers
+    PIPELINING, which reads them while the sender does other work (records
+    the attempt).  Until the message's final dot nothing is delivered: a
+    sender that must not send after all closes the connection."""
+    commands, _, encoding = _mail_commands(sender, recipient)
+    return "".join(command + "\r\n" for command in commands).encode(encoding)
+
+
+def _transact(smtp, sender, recipient, data, offered=False, then=b""):
     """One mail transaction on an open connection: None when the email is
     accepted, else the refusing ``(code, reply)``.
 
@@ -13549,18 +13584,20 @@ def _transact(smtp, sender, recipient, data):
     with a regular expression (our line ends are all CRLF).  A server that
     offers PIPELINING (RFC 2920; every common relay does) gets MAIL, RCPT and
     DATA in one write: two round trips an email instead of four, and a
-    sender mostly waits on round trips.
+    sender mostly waits on round trips.  ``offered``: they were written
+    already (_offered()); only their replies are read here.  ``then``: the
+    next email's commands (_offered()), written with this message's final
+    dot, so that an email takes one round trip (RFC 2920 lets DATA's
+    content and the commands after it share a write); they go only when the
+    message does, and the result says whether they went.
+
+    Returns ``(None or (code, reply), whether then was written)``.
     """
-    # A non-ASCII address needs SMTPUTF8 (RFC 6531); the caller checked the
-    # server offers it.  smtplib encodes commands with command_encoding.
-    utf8 = not (sender.isascii() and recipient.isascii())
-    smtp.command_encoding = "utf-8" if utf8 else "ascii"
-    commands = (f"MAIL FROM:<{sender}>" + (" SMTPUTF8" if utf8 else ""),
-                f"RCPT TO:<{recipient}>", "DATA")
-    expected = ((250,), (250, 251), (354,))
+    commands, expected, smtp.command_encoding = _mail_commands(sender, recipient)
     replies = []
-    if smtp.does_esmtp and smtp.has_extn("pipelining"):
-        smtp.send("".join(command + "\r\n" for command in commands))
+    if offered or smtp.does_esmtp and smtp.has_extn("pipelining"):
+        if not offered:
+            smtp.send(_offered(sender, recipient))
         for _ in commands:
             replies.append(smtp.getreply())
             if replies[-1][0] == 421:  # the server hangs up: no more replies
@@ -13573,16 +13610,16 @@ def _transact(smtp, sender, recipient, data):
     code, reply = next((answer for answer, ok in zip(replies, expected) if answer[0] not in ok),
                        (354, b""))
     if code == 354:
-        smtp.send(data.replace(b"\n.", b"\n..") + b".\r\n")
+        smtp.send(data.replace(b"\n.", b"\n..") + b".\r\n" + then)
         code, reply = smtp.getreply()
         # After the final dot the transaction is over either way.
-        return None if code == 250 else (code, reply)
+        return (None if code == 250 else (code, reply)), bool(then)
     if replies[-1][0] == 354:  # pipelined DATA went through after a refusal: end it empty
         smtp.send(b".\r\n")
         smtp.getreply()
     if code != 421:  # 421: the server is closing; nothing to reset
         smtp.docmd("RSET")
-    return code, reply
+    return (code, reply), False
 
 
 class _Courier:
@@ -13597,6 +13634,7 @@ class _Courier:
         self.letters, self.fields = {}, {}  # per (batch, message) and per datasource
         self.tally = {}   # per domain: [sent, deferred, slowed] not yet written
         self.unsent = [0, 0]   # emails the warm-up counted that did not go: [other, bulk]
+        self.offered = None   # the outbox id whose commands are written, replies unread
 
     # The database side.
 
@@ -13631,7 +13669,8 @@ class _Courier:
             clock = int(time.time())
             skip, skipped = self.run.pace.skipped(self.conn, clock)
             rows = self.conn.execute(
-                "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ? "
+                "UPDATE outbox SET status = 'sending', claimed_by = ?, claimed_at = ?, "
+                "sent = NULL "
                 f"WHERE id IN (SELECT id FROM outbox WHERE status = 'queued' {priority}"
                 f"AND next_try <= ? {skip}ORDER BY priority DESC, next_try LIMIT ? "
                 f"{self.conn.sql['skip_locked']}) AND status = 'queued' "
@@ -13663,7 +13702,7 @@ class _Courier:
             "LEFT JOIN suppression s ON s.account = d.owner AND s.email = r.email "
             f"WHERE r.id IN ({marks})", ids)}
 
-    def record(self, results, bounces, attempting=None):
+    def record(self, results, bounces, attempting=None, accepted=(), fresh=()):
         """Write the outcomes so far (and empty the lists); with ``attempting``,
         in the same transaction mark that row's SMTP attempt as under way.
 
@@ -13671,29 +13710,53 @@ class _Courier:
         never more than one attempt away from being recorded: a worker
         killed mid-chunk leaves only its one attempting row in doubt.
 
+        The emails the server accepted (``accepted``, outcomes as
+        ``results``) are written in a group, at the chunk's end or every
+        _SENT_GROUP: a status changes the rows of three indexes, a cost per
+        email that was most of a commit's.  Until then each is marked with
+        its ``sent`` time alone (``fresh``: those not marked yet), a column no
+        index holds, so the row stays 'sending' but is known sent: a worker
+        that dies leaves it sent (_take_back()), never in doubt or queued.
+
         Returns False when the ``attempting`` row is no longer this worker's
         (its lease ran out and another took it back): it must not be sent."""
         worker, mine = self.run.worker_id, True
         pending = [] if self.run.on_event else None
-        with transaction(self.conn):
-            self.conn.executemany(
-                "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
-                "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
-                "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
-                [(*result, worker) for result in results])
+        grouped = attempting is None or len(accepted) >= _SENT_GROUP
+        written = [*results, *(accepted if grouped else ())]
+        uncounted = any(self.unsent) and attempting is None
+        tallied = bool(self.tally) and (attempting is None or any(t[2] for t in
+                                                                  self.tally.values()))
+        # The attempt alone (the common case) is one statement, atomic by itself.
+        alone = not (written or bounces or uncounted or tallied)
+        with (_one_statement if alone else transaction)(self.conn):
+            if written:
+                self.conn.executemany(
+                    "UPDATE outbox SET status = ?, attempts = ?, next_try = coalesce(?, next_try), "
+                    "error = ?, sent = ?, claimed_by = NULL, claimed_at = NULL, "
+                    "attempt_started = NULL WHERE id = ? AND claimed_by = ?",
+                    [(*result, worker) for result in written])
             for report in bounces:
                 apply_bounce(self.conn, report, pending=pending)
             # The day's row before the domains' rows, as a claim locks them (no deadlock).
-            if any(self.unsent) and attempting is None:
+            if uncounted:
                 _uncount_day(self.conn, self.unsent, int(time.time()))
-            if self.tally and (attempting is None or any(t[2] for t in self.tally.values())):
+            if tallied:
                 _tally_domains(self.conn, self.tally, self.run.pace.rates, int(time.time()))
             if attempting is not None:
-                mine = self.conn.execute(
-                    "UPDATE outbox SET attempt_started = ? WHERE id = ? AND status = 'sending' "
-                    "AND claimed_by = ?", (_now(), attempting, worker)).rowcount == 1
-        results.clear()
-        bounces.clear()
+                # One statement: this attempt, and the sent time of those accepted since.
+                marks = [] if grouped else [(result[5], result[4]) for result in fresh]
+                mine = attempting in {row[0] for row in self.conn.execute(
+                    "UPDATE outbox SET attempt_started = CASE WHEN id = ? THEN ? END"
+                    + (f", sent = CASE id{' WHEN ? THEN ?' * len(marks)} ELSE sent END"
+                       if marks else "")
+                    + f" WHERE id IN ({', '.join('?' * (len(marks) + 1))}) "
+                    "AND status = 'sending' AND claimed_by = ? RETURNING id",
+                    (attempting, _now(), *(value for mark in marks for value in mark),
+                     attempting, *(mark[0] for mark in marks), worker))}
+        for done in (results, bounces, fresh, *((accepted,) if grouped else ())):
+            if done:
+                done.clear()
         if pending:
             _run_callbacks(self.run.on_event, pending)
         return mine
@@ -13835,12 +13898,14 @@ class _Courier:
         self.smtp = smtp
 
     def hang_up(self, polite=True):
+        """Close the connection; an email whose commands are written is not
+        sent (no QUIT: the server reads it as the message's text)."""
         if self.smtp is not None:
             try:
-                self.smtp.quit() if polite else self.smtp.close()
+                self.smtp.quit() if polite and self.offered is None else self.smtp.close()
             except (OSError, smtplib.SMTPException):
                 self.smtp.close()
-            self.smtp = None
+            self.smtp, self.offered = None, None
 
     def offers_utf8(self):
         """Whether the relay takes non-ASCII addresses (SMTPUTF8, RFC 6531)."""
@@ -13848,16 +13913,59 @@ class _Courier:
             self.connect()
         return self.smtp.has_extn("smtputf8")
 
-    def send(self, sender, to_addr, data):
-        """None when accepted, else ``(code, reply text)``; _Unreachable when
-        the connection is lost."""
+    def pipelines(self):
+        """Whether the relay takes commands ahead of their replies (PIPELINING)."""
         if self.smtp is None:
             self.connect()
+        return self.smtp.does_esmtp and self.smtp.has_extn("pipelining")
+
+    def offer(self, row_id, sender, to_addr):
+        """Write the commands of outbox ``row_id``'s email ahead of send(),
+        when the relay pipelines (_offered()): it reads them while the
+        attempt is recorded.  _Unreachable when the connection is lost."""
+        if self.offered == row_id or not self.pipelines():
+            return
         try:
-            answer = _transact(self.smtp, sender, to_addr, data)
+            self.smtp.send(_offered(sender, to_addr))
         except (OSError, smtplib.SMTPException) as error:
             self.hang_up(polite=False)
             raise _Unreachable(f"SMTP connection lost: {error}") from None
+        self.offered = row_id
+
+    def ahead(self, rows, recipients, ready):
+        """The chunk's next email built now (into ``ready``), so that its
+        commands go with this email's final dot: ``(outbox id, sender,
+        to_addr)``, or None: no next row, a rate to keep (the pacer waits
+        before each email), a relay that does not pipeline, or an email the
+        normal way handles in its turn (it fails or is skipped)."""
+        if not rows or self.run.rate or not self.pipelines():
+            return None
+        row = rows[0]
+        try:
+            built = self.build(row, recipients)
+        except Exception:   # built again in its turn, and failed there with the reason
+            return None
+        if built is None or not (built[0].isascii() and row["to_addr"].isascii()):
+            return None
+        sender, data = built
+        ready[row["id"]] = sender, self.run.sign(data) if self.run.sign else data
+        return row["id"], sender, row["to_addr"]
+
+    def send(self, row_id, sender, to_addr, data, then=None):
+        """None when accepted, else ``(code, reply text)``; _Unreachable when
+        the connection is lost.  ``then``: ``(row id, sender, to_addr)`` of
+        the next email, whose commands go with this message's final dot."""
+        if self.smtp is None:
+            self.connect()
+        offered, self.offered = self.offered == row_id, None
+        ahead = b"" if then is None else _offered(*then[1:])
+        try:
+            answer, went = _transact(self.smtp, sender, to_addr, data, offered, ahead)
+        except (OSError, smtplib.SMTPException) as error:
+            self.hang_up(polite=False)
+            raise _Unreachable(f"SMTP connection lost: {error}") from None
+        if went:
+            self.offered = then[0]
         if answer is None:
             return None
         code, reply = answer
@@ -13889,9 +13997,13 @@ class _Courier:
         counts = dict.fromkeys(_COUNTS, 0)
         recipients = self.recipients(rows)
         unreachable = None
+        ready = {}   # outbox id -> (sender, email bytes) of the next email, built ahead
+        accepted, fresh = [], []   # sent, their status not written yet (record())
 
         def outcome(row, counted, status, attempts, next_try=None, error=None, sent=None):
-            results.append((status, attempts, next_try, error, sent, row["id"]))
+            result = (status, attempts, next_try, error, sent, row["id"])
+            for written in (accepted, fresh) if counted == "sent" else (results,):
+                written.append(result)
             counts[counted] += 1
             if counted != "sent" and row["kind"] in _WARMUP_KINDS:   # admitted, not sent
                 self.unsent[row["kind"] in _BULK_KINDS] += 1
@@ -13903,7 +14015,9 @@ class _Courier:
                 # of the chunk (which may be a minute's work under a rate).
                 looked, first = time.monotonic(), self.claim(first=True)
                 recipients.update(self.recipients(first))
-                rows.extendleft(reversed(first))
+                # After the email whose commands are on the wire already.
+                offered = [rows.popleft()] if rows and rows[0]["id"] == self.offered else []
+                rows.extendleft(reversed(offered + first))
             row = rows.popleft()
             attempts = row["attempts"] + 1
             if unreachable or run.stop.is_set():
@@ -13911,30 +14025,45 @@ class _Courier:
                 outcome(row, "requeued", "queued", row["attempts"],
                         unreachable and _shift(_now(), _CONNECTION_RETRY), unreachable)
                 continue
-            try:
-                built = self.build(row, recipients)
-            except Exception as error:  # bad data in this row must not stop the others
-                _log.exception("outbox %s cannot be built", row["id"])
-                outcome(row, "failed", "failed", attempts, error=f"cannot build the email: {error}")
-                continue
+            built = ready.pop(row["id"], None)
             if built is None:
-                outcome(row, "skipped", "skipped", row["attempts"],
-                        error="the recipient unsubscribed, bounced or was removed")
-                continue
+                try:
+                    built = self.build(row, recipients)
+                except Exception as error:  # bad data in this row must not stop the others
+                    _log.exception("outbox %s cannot be built", row["id"])
+                    outcome(row, "failed", "failed", attempts,
+                            error=f"cannot build the email: {error}")
+                    continue
+                if built is None:
+                    outcome(row, "skipped", "skipped", row["attempts"],
+                            error="the recipient unsubscribed, bounced or was removed")
+                    continue
+                built = built[0], run.sign(built[1]) if run.sign else built[1]
             sender, data = built
             run.pacer.wait(run.stop)
-            if run.sign:
-                data = run.sign(data)
-            if not self.record(results, bounces, attempting=row["id"]):
-                _log.warning("outbox %s: this worker's claim ran out and was taken back; "
-                            "left to the others", row["id"])
-                continue
             try:
                 if not (sender.isascii() and row["to_addr"].isascii()) and not self.offers_utf8():
                     outcome(row, "failed", "failed", attempts, error="the address has non-ASCII "
                             "characters, and the SMTP relay does not offer SMTPUTF8 to carry them")
                     continue
-                reply = self.send(sender, row["to_addr"], data)
+                # The commands go out before the attempt is recorded (unless
+                # they went with the email before), and the next email is
+                # built: the relay reads them meanwhile.  Nothing is delivered
+                # before the message's final dot, which goes after the record.
+                self.offer(row["id"], sender, row["to_addr"])
+                then = self.ahead(rows, recipients, ready)
+                try:
+                    mine = self.record(results, bounces, row["id"], accepted, fresh)
+                except BaseException:
+                    self.hang_up(polite=False)   # ends an offered transaction unsent
+                    raise
+                if not mine:
+                    if self.offered is not None:
+                        self.hang_up(polite=False)
+                    _log.warning("outbox %s: this worker's claim ran out and was taken back; "
+                                "left to the others", row["id"])
+                    continue
+                reply = self.send(row["id"], sender, row["to_addr"], data, then)
             except _Unreachable as error:
                 unreachable = str(error)
                 outcome(row, "requeued", "queued", row["attempts"],
@@ -13963,7 +14092,7 @@ class _Courier:
             elif tracked and code < 500:
                 # Given up on a temporary failure: a soft bounce of this email.
                 bounces.append({"type": "soft", "outbox": row["id"]})
-        self.record(results, bounces)
+        self.record(results, bounces, None, accepted, fresh)
         run.add(counts, unreachable)
         return unreachable
 
@@ -13971,14 +14100,21 @@ class _Courier:
 #: Seconds between a courier's looks, within a chunk, for rows of a higher
 #: priority (transactional emails) queued since it claimed the chunk.
 _PRIORITY_LOOK = 0.2
+#: Sent emails whose status a courier writes at once (see _Courier.record()).
+_SENT_GROUP = 100
 
 
 def _take_back(conn, now, stale_claim):
     """Inside a transaction: the rows of leases not renewed since ``now -
-    stale_claim`` (dead workers) go back to the queue, except one whose SMTP
-    attempt had started: it may have arrived, so it is failed (at most once)."""
+    stale_claim`` (dead workers) go back to the queue, except one the server
+    accepted (marked with its sent time, _Courier.record()): it is sent; and
+    one whose SMTP attempt had started: it may have arrived, so it is failed
+    (at most once)."""
     stale = (datetime.datetime.strptime(now, "%Y-%m-%d %H:%M:%S") - stale_claim
              ).strftime("%Y-%m-%d %H:%M:%S")
+    conn.execute("UPDATE outbox SET status = 'sent', attempts = attempts + 1, error = NULL, "
+                 "claimed_by = NULL, claimed_at = NULL, attempt_started = NULL "
+                 "WHERE status = 'sending' AND claimed_at < ? AND sent IS NOT NULL", (stale,))
     conn.execute("UPDATE outbox SET status = 'failed', error = ?, claimed_by = NULL, "
                  "claimed_at = NULL, attempt_started = NULL WHERE status = 'sending' "
                  "AND claimed_at < ? AND attempt_started IS NOT NULL", (_INTERRUPTED, stale))

@@ -165,8 +165,21 @@ campaignapi.deliver(sys.argv[1], sys.argv[2], batch_size=int(sys.argv[3]))
 
 
 @pytest.mark.skipif(not hasattr(campaignapi, "deliver"), reason="delivery is not merged yet")
+@pytest.mark.parametrize("relay", ["plain", "pipelining"])
 def test_a_delivery_killed_mid_chunk_sends_nobody_twice_and_the_rest_later(
-        db, smtp_sink, seed_campaign):
+        db, relay, seed_campaign):
+    # Over a relay that offers PIPELINING each email's commands go ahead,
+    # with the message before it: they must not make it a second in doubt.
+    from smtp_sink import PipeliningSink, SmtpSink
+
+    smtp_sink = (PipeliningSink if relay == "pipelining" else SmtpSink)().start()
+    try:
+        _killed_mid_chunk(db, smtp_sink, seed_campaign)
+    finally:
+        smtp_sink.stop()
+
+
+def _killed_mid_chunk(db, smtp_sink, seed_campaign):
     addresses = [f"user{i}@example.org" for i in range(400)]
     seed_campaign([(address, f"U{i}") for i, address in enumerate(addresses)])
     worker = child(DELIVER_CHILD, db, smtp_sink.address, "100")

@@ -402,11 +402,85 @@ def test_the_commands_of_an_email_go_in_one_write(pipelining_sink):
     smtp.send = lambda data: (writes.append(data), send(data))
     # internal: one email's SMTP exchange, on a connection whose writes the test sees
     assert campaignapi._transact(smtp, "a@example.com", "b@example.com",
-                                 b"Subject: x\r\n\r\nhi\r\n") is None
-    assert writes == ["MAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.com>\r\nDATA\r\n",
+                                 b"Subject: x\r\n\r\nhi\r\n") == (None, False)
+    assert writes == [b"MAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.com>\r\nDATA\r\n",
                       b"Subject: x\r\n\r\nhi\r\n.\r\n"]
+    # The next email's commands go with this one's final dot: one write an email.
+    writes.clear()
+    # internal: the commands of a transaction as one write's bytes
+    then = campaignapi._offered("a@example.com", "c@example.com")
+    # internal: an email whose message carries the next one's commands
+    assert campaignapi._transact(smtp, "a@example.com", "b@example.com",
+                                 b"Subject: y\r\n\r\nhi\r\n", then=then) == (None, True)
+    # internal: the next email, its commands written already
+    assert campaignapi._transact(smtp, "a@example.com", "c@example.com",
+                                 b"Subject: z\r\n\r\nhi\r\n", offered=True) == (None, False)
+    assert writes == [b"MAIL FROM:<a@example.com>\r\nRCPT TO:<b@example.com>\r\nDATA\r\n",
+                      b"Subject: y\r\n\r\nhi\r\n.\r\n" + then,
+                      b"Subject: z\r\n\r\nhi\r\n.\r\n"]
     smtp.quit()
-    assert pipelining_sink.count() == 1
+    assert [rcpts for _, rcpts, _ in pipelining_sink.messages] == [
+        ["b@example.com"], ["b@example.com"], ["c@example.com"]]
+
+
+def test_over_a_pipelining_relay_an_email_is_one_write(db, pipelining_sink, seed_campaign,
+                                                       monkeypatch):
+    """The courier writes each email's commands with the final dot of the
+    email before it, so a chunk costs one round trip an email; every email
+    arrives once and is recorded sent."""
+    addresses = [f"one{i}@example.org" for i in range(5)]
+    seed_campaign([(address, f"O{i}") for i, address in enumerate(addresses)])
+    writes = []
+    send = smtplib.SMTP.send
+    monkeypatch.setattr(smtplib.SMTP, "send", lambda self, data: (writes.append(data),
+                                                                   send(self, data))[1])
+    counts = campaignapi.deliver(db, pipelining_sink.address)
+    assert counts["sent"] == 5 and counts["error"] is None
+    assert [rcpts[0] for _, rcpts, _ in pipelining_sink.messages] == addresses
+    assert [r["status"] for r in rows(db)] == ["sent"] * 5
+    # EHLO; the first email's commands alone, then each message with the
+    # next's commands, the last message alone; then QUIT.
+    carrying = [w for w in writes if isinstance(w, bytes) and w.endswith(b"DATA\r\n")]
+    assert len(carrying) == 5 and carrying[0].startswith(b"MAIL FROM:")
+    assert all(w.split(b".\r\nMAIL FROM:")[1:] for w in carrying[1:])
+    assert [w.split(b"RCPT TO:<")[1].split(b">")[0].decode() for w in carrying] == addresses
+    assert len(writes) == 1 + 5 + 1 + 1
+
+
+class TakingSink(PipeliningSink):
+    """A pipelining relay that, while it takes one email's message, hands
+    the claim of another email to another worker (as a worker looking for
+    dead leases would), before it answers."""
+
+    def __init__(self, db, when, taken):
+        super().__init__()
+        self.db, self.when, self.taken = db, when, taken
+
+    async def handle_DATA(self, server, session, envelope):
+        if envelope.rcpt_tos[0] == self.when:
+            execute(self.db, "UPDATE outbox SET claimed_by = 'another:1' WHERE to_addr = ?",
+                    (self.taken,))
+        return await super().handle_DATA(server, session, envelope)
+
+
+def test_an_email_whose_commands_went_ahead_is_not_sent_once_its_claim_is_lost(
+        db, seed_campaign):
+    """The commands of the third email go with the second's message; the
+    relay hands the third's claim away before it answers that message; the
+    courier finds the claim lost when it records the attempt, and hangs up
+    before the third's message: it arrives nowhere, the others do."""
+    addresses = [f"taken{i}@example.org" for i in range(5)]
+    seed_campaign([(address, f"T{i}") for i, address in enumerate(addresses)])
+    sink = TakingSink(db, addresses[1], addresses[2]).start()
+    try:
+        counts = campaignapi.deliver(db, sink.address)
+        assert counts["sent"] == 4
+        assert [rcpts[0] for _, rcpts, _ in sink.messages] == addresses[:2] + addresses[3:]
+    finally:
+        sink.stop()
+    taken = rows(db, "SELECT status, claimed_by, attempt_started FROM outbox WHERE to_addr = ?",
+                 (addresses[2],))
+    assert taken == [{"status": "sending", "claimed_by": "another:1", "attempt_started": None}]
 
 
 def test_refusals_retries_bounces_and_421_over_a_pipelining_relay(db, pipelining_sink,
