@@ -3461,7 +3461,8 @@ def _parse_params(route, environ, limit):
         raise UnknownParameter(
             f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}.",
             field=unknown, allowed=sorted(route.params))
-    params = {name: value if value is child else route.params[name].check(value)
+    params = {name: value if child is not None and value is child
+              else route.params[name].check(value)
               for name, value in given.items()}
     missing = [p.name for p in route.params.values() if p.required and p.name not in params]
     if missing:
