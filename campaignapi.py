@@ -338,6 +338,12 @@ _SQL = {
         # at once when another transaction holds it.  Always true here: BEGIN
         # IMMEDIATE already excludes every other writer.
         "try_xact_lock": "(coalesce({high}, {low}) IS NOT NULL)",
+        # The same lock taken by a statement of its own, before the statement
+        # that reads what it guards (none here: BEGIN IMMEDIATE took the
+        # write lock, and every read after it sees the last commit); and
+        # whether this transaction holds it.
+        "take_xact_lock": None,
+        "holds_xact_lock": "(coalesce({high}, {low}) IS NOT NULL)",
         # The indexes of a table (given as ?) that queries can use, by name;
         # an index made or dropped while the database is in use (the field
         # indexes of segment conditions, see _index_conditioned_fields()).
@@ -381,6 +387,16 @@ _SQL = {
         # The two-number advisory locks: a key space apart from the one-number
         # locks of imports and schema changes.
         "try_xact_lock": "pg_try_advisory_xact_lock({high}, {low})",
+        # A statement's snapshot is taken when it starts, before a lock taken
+        # in it: a read of what the lock guards must come in a later statement,
+        # whose snapshot sees what the lock's last holder committed.  So the
+        # lock goes first, alone, and the read asks whether it is held (the
+        # two-number advisory locks are objsubid 2, their numbers as oids).
+        "take_xact_lock": "SELECT pg_try_advisory_xact_lock({high}, {low})",
+        "holds_xact_lock": "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+                           "AND pid = pg_backend_pid() AND granted AND objsubid = 2 "
+                           "AND classid = CAST(CAST({high} AS integer) AS oid) "
+                           "AND objid = CAST(CAST({low} AS integer) AS oid))",
         # Valid ones only: a CONCURRENTLY build that failed leaves an invalid
         # index, which the next build drops first.
         "table_indexes": "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = "
@@ -502,18 +518,20 @@ def transaction(conn, first=None):
     locked'.  On PostgreSQL a plain ``BEGIN``: writers that must not overlap
     lock the rows they change.
 
-    ``first``: ``(sql, params)``, the transaction's first statement, sent with
-    its BEGIN (one round trip on PostgreSQL); the block gets its cursor
-    instead of the connection.  Statements the block leaves in
+    ``first``: ``(sql, params)``, the transaction's first statement (or a
+    list of them), sent with its BEGIN (one round trip on PostgreSQL); the
+    block gets the (last one's) cursor instead of the connection.  Statements the block leaves in
     ``conn.at_commit`` (``[(sql, params)]``; only in the outermost
     transaction) go with the COMMIT the same way: writes that cannot fail
     for the rows they meet (they were locked or written earlier in it).
     """
+    if first is not None and not isinstance(first, list):
+        first = [first]
     if conn.in_transaction:
         name = "sp_" + secrets.token_hex(4)
         conn.execute(f"SAVEPOINT {name}")
         try:
-            yield conn if first is None else conn.execute(*first)
+            yield conn if first is None else [conn.execute(*f) for f in first][-1]
         except BaseException:
             conn.execute(f"ROLLBACK TO {name}")
             conn.execute(f"RELEASE {name}")
@@ -705,13 +723,14 @@ class _SqliteConnection(sqlite3.Connection):
     at_commit = ()
 
     def begin_transaction(self, first=None):
-        """transaction()'s BEGIN, then ``first`` ``(sql, params)``: its cursor."""
+        """transaction()'s BEGIN, then the statements ``first``
+        ``[(sql, params)]``: the last one's cursor."""
         self.execute(self.sql["begin"])
         return None if first is None else self._opening(first)
 
     def _opening(self, first):
         try:
-            return self.execute(*first)
+            return [self.execute(*statement) for statement in first][-1]
         except BaseException:
             self.execute("ROLLBACK")
             raise
@@ -1149,12 +1168,12 @@ class _PgConnection:
     at_commit = ()
 
     def begin_transaction(self, first=None):
-        """transaction()'s BEGIN, and ``first`` ``(sql, params)`` with it in
-        one round trip: its cursor."""
+        """transaction()'s BEGIN, and the statements ``first``
+        ``[(sql, params)]`` with it in one round trip: the last one's cursor."""
         if first is None:
             self.execute(self.sql["begin"])
             return None
-        return self._together([(self.sql["begin"], ()), first])
+        return self._together([(self.sql["begin"], ()), *first])
 
     def commit_transaction(self):
         """transaction()'s COMMIT, and the statements of ``at_commit`` before
@@ -3710,13 +3729,16 @@ class _Keyed:
                  int.from_bytes(digest[4:8], "big", signed=True)))
 
     def looking(self, conn):
-        """The first statement ``(sql, params)`` of a request that claims
+        """The first statements ``[(sql, params)]`` of a request that claims
         its key in its own transaction: the key's lock, held until the
-        transaction ends, and its row (see locked())."""
-        lock, values = self._lock(conn)
-        return (f"SELECT {lock}, k.request, k.status, k.answer, k.created FROM (SELECT 1) one "
-                "LEFT JOIN idempotency_key k ON k.scope = ? AND k.key = ?",
-                (*values, self.scope, self.key))
+        transaction ends, then whether it is held and the key's row (see
+        locked()), read after the lock was taken (take_xact_lock)."""
+        values = self._lock(conn)[1]
+        take, holds = conn.sql["take_xact_lock"], conn.sql["holds_xact_lock"]
+        return [*([(take.format(high="?", low="?"), values)] if take else []), (
+            f"SELECT {holds.format(high='?', low='?')}, k.request, k.status, k.answer, "
+            "k.created FROM (SELECT 1) one LEFT JOIN idempotency_key k ON k.scope = ? "
+            "AND k.key = ?", (*values, self.scope, self.key))]
 
     def locked(self, row):
         """After looking(): None, the handler may run (its keep() writes the
